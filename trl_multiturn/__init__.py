@@ -1,0 +1,47 @@
+"""trl-multiturn: multi-turn agentic GRPO for Hugging Face TRL.
+
+Public names are imported lazily so that the pure-math modules (trajectory, advantages, loss, batching) can be
+used without importing TRL or transformers.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Trajectory": "trl_multiturn.trajectory",
+    "TrajectoryBatch": "trl_multiturn.trajectory",
+    "collate_trajectories": "trl_multiturn.trajectory",
+    "group_advantages": "trl_multiturn.advantages",
+    "turn_advantages": "trl_multiturn.advantages",
+    "aggregate_loss": "trl_multiturn.loss",
+    "policy_loss": "trl_multiturn.loss",
+    "BatchPlan": "trl_multiturn.batching",
+    "Action": "trl_multiturn.environment",
+    "Step": "trl_multiturn.environment",
+    "Environment": "trl_multiturn.environment",
+    "TagProtocol": "trl_multiturn.protocols",
+    "ChatToolProtocol": "trl_multiturn.protocols",
+    "MultiTurnGRPOConfig": "trl_multiturn.config",
+    "MultiTurnGRPOTrainer": "trl_multiturn.trainer",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trl_multiturn' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .advantages import group_advantages, turn_advantages
+    from .batching import BatchPlan
+    from .config import MultiTurnGRPOConfig
+    from .environment import Action, Environment, Step
+    from .loss import aggregate_loss, policy_loss
+    from .protocols import ChatToolProtocol, TagProtocol
+    from .trainer import MultiTurnGRPOTrainer
+    from .trajectory import Trajectory, TrajectoryBatch, collate_trajectories
