@@ -1,0 +1,281 @@
+"""Group-relative advantages: trajectory-level GRPO and turn-level credit assignment, as pure tensor functions.
+
+A group is the ``G = group_size`` rollouts of one prompt, stored contiguously: rows ``[g*G, (g+1)*G)`` of every
+input belong to group ``g`` (TRL's and this package's layout). :func:`group_advantages` is GRPO's
+
+    A_i = (r_i - mean_G(r)) / (std_G(r) + eps)        std unbiased (Bessel), as VeRL's ``compute_grpo_outcome_advantage``
+
+and :func:`turn_advantages` turns rewards into one advantage per token (B, T) for the three credit-assignment
+modes of ``MultiTurnGRPOConfig.turn_advantage`` (see docs/turn_credit.md for the equations and caveats).
+
+Departures from VeRL / TRL, each on purpose:
+- A group whose rewards are all identical gets advantage exactly 0 (VeRL computes ``(r - mean) / (std + eps)``,
+  which in float arithmetic can leave a residue of the mean's rounding divided by ``eps``).
+- VeRL's group of size 1 (mean 0, std 1, so ``A = r``) is kept, and applied under every ``scale``.
+- ``scale="batch"`` is TRL's ``scale_rewards="batch"``: the group mean, divided by the std of the whole batch.
+- ``eps`` defaults to VeRL's 1e-6 (TRL adds 1e-4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+VALID_SCALES = ("group", "batch", "none")
+VALID_TURN_ADVANTAGES = ("trajectory", "mt-grpo", "discounted")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# validation helpers (errors name the value and the knob that fixes it)
+# ----------------------------------------------------------------------------------------------------------------
+def _check_scale(scale: str) -> None:
+    if scale not in VALID_SCALES:
+        raise ValueError(
+            f"scale={scale!r} is not a valid advantage scale; choose one of {VALID_SCALES} "
+            "(GRPOConfig.scale_rewards): 'group' = GRPO, 'batch' = std over the batch, 'none' = Dr. GRPO."
+        )
+
+
+def _check_group_size(group_size: int, num_rewards: int) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be a positive int (GRPOConfig.num_generations).")
+    if num_rewards % group_size != 0:
+        raise ValueError(
+            f"got {num_rewards} rewards, which is not a multiple of group_size={group_size} "
+            "(num_generations): every prompt needs exactly group_size rollouts, stored contiguously."
+        )
+
+
+def _as_rewards(rewards: torch.Tensor | Sequence[float]) -> torch.Tensor:
+    """(B,) float tensor of finite rewards, or ValueError."""
+    r = torch.as_tensor(rewards)
+    if not torch.is_floating_point(r):
+        r = r.to(torch.float32)
+    if r.dim() != 1:
+        raise ValueError(f"rewards must be 1-D with one reward per trajectory, got shape {tuple(r.shape)}.")
+    if r.numel() == 0:
+        raise ValueError("rewards is empty; pass one reward per trajectory.")
+    bad = ~torch.isfinite(r)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"rewards[{i}] is {float(r[i])}; rewards must be finite (check the reward functions and environment)."
+        )
+    return r
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# group-relative normalization
+# ----------------------------------------------------------------------------------------------------------------
+def _normalize(values: torch.Tensor, group_size: int, scale: str, eps: float) -> torch.Tensor:
+    """Group-relative normalization of validated ``values`` (B,) -> (B,); the math of :func:`group_advantages`."""
+    grouped = values.view(-1, group_size)  # (B/G, G)
+    if group_size == 1:  # VeRL: a lone rollout has mean 0 and std 1, so its advantage is its reward
+        return values.clone()  # (B,)
+    mean = grouped.mean(dim=1, keepdim=True)  # (B/G, 1)
+    std = grouped.std(dim=1, keepdim=True)  # (B/G, 1) unbiased, as torch.std and VeRL
+    equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (B/G, 1) True where all G rewards are identical
+    centered = torch.where(equal, torch.zeros_like(grouped), grouped - mean)  # (B/G, G) exactly 0 for equal groups
+    if scale == "group":
+        scaled = centered / (std + eps)  # (B/G, G)
+    elif scale == "batch":
+        batch_std = values.std() if values.numel() > 1 else values.new_tensor(1.0)  # () unbiased, whole batch
+        scaled = centered / (batch_std + eps)  # (B/G, G)
+    else:  # "none": Dr. GRPO, no division by a std
+        scaled = centered  # (B/G, G)
+    return scaled.reshape(-1)  # (B,)
+
+
+def group_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    group_size: int,
+    scale: str = "group",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """One advantage per trajectory from its group's rewards.
+
+    Args:
+        rewards: (B,) trajectory rewards, group ``g`` in rows ``[g*G, (g+1)*G)``.
+        group_size: G, rollouts per prompt (``num_generations``).
+        scale: "group" ``(r - mean_G) / (std_G + eps)``; "batch" ``(r - mean_G) / (std_B + eps)`` with the std of
+            all B rewards; "none" ``r - mean_G`` (Dr. GRPO). std is unbiased (divides by n - 1).
+        eps: added to the std before dividing.
+
+    Returns:
+        (B,) advantages (float dtype of ``rewards``, float32 for integer input). A group of identical rewards gets
+        exactly 0; a group of size 1 gets ``A = r`` (VeRL: mean 0, std 1).
+
+    Raises:
+        ValueError: non-finite rewards, a count that is not a multiple of ``group_size``, an unknown ``scale``,
+            a negative ``eps``.
+    """
+    _check_scale(scale)
+    r = _as_rewards(rewards)  # (B,)
+    _check_group_size(group_size, r.numel())
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps={eps!r} must be a finite number >= 0.")
+    return _normalize(r, group_size, scale, eps)  # (B,)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# turn-level credit assignment
+# ----------------------------------------------------------------------------------------------------------------
+def _check_turn_inputs(
+    mode: str,
+    num_rewards: int,
+    turn_rewards: Sequence[Sequence[float]] | None,
+    turn_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float,
+    turn_weight: float,
+) -> None:
+    if mode not in VALID_TURN_ADVANTAGES:
+        raise ValueError(
+            f"turn advantage mode {mode!r} is not valid; choose one of {VALID_TURN_ADVANTAGES} "
+            "(MultiTurnGRPOConfig.turn_advantage)."
+        )
+    if turn_ids.dim() != 2 or action_mask.shape != turn_ids.shape:
+        raise ValueError(
+            f"turn_ids {tuple(turn_ids.shape)} and action_mask {tuple(action_mask.shape)} must both be (B, T) "
+            "with the same shape."
+        )
+    if turn_ids.shape[0] != num_rewards:
+        raise ValueError(f"got {num_rewards} rewards but turn_ids has {turn_ids.shape[0]} rows; they must match.")
+    if mode == "trajectory":
+        return
+    if turn_rewards is None or len(turn_rewards) != num_rewards:
+        n = None if turn_rewards is None else len(turn_rewards)
+        raise ValueError(
+            f"turn advantage mode {mode!r} needs turn_rewards with one list per trajectory ({num_rewards}), got {n}."
+        )
+    for b, row in enumerate(turn_rewards):
+        for k, x in enumerate(row):
+            if not math.isfinite(float(x)):
+                raise ValueError(f"turn_rewards[{b}][{k}] is {x}; per-turn rewards must be finite.")
+    if not (0.0 <= gamma <= 1.0):
+        raise ValueError(f"gamma={gamma!r} must lie in [0, 1] (MultiTurnGRPOConfig.turn_advantage_gamma).")
+    if not (math.isfinite(turn_weight) and turn_weight >= 0):
+        raise ValueError(
+            f"turn_weight={turn_weight!r} must be a finite number >= 0 (MultiTurnGRPOConfig.turn_advantage_weight)."
+        )
+    num_turns = torch.tensor([len(row) for row in turn_rewards], device=turn_ids.device)  # (B,)
+    bad = action_mask.bool() & ((turn_ids < 0) | (turn_ids >= num_turns[:, None]))  # (B, T)
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"sampled token {t} of trajectory {b} has turn id {int(turn_ids[b, t])}, but that trajectory has "
+            f"{int(num_turns[b])} per-turn rewards; every sampled token needs a turn id in [0, num_turns)."
+        )
+
+
+def _pad_turns(turn_rewards: Sequence[Sequence[float]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(B, K) per-turn rewards, K = max_b K_b (at least 1), 0.0 after a trajectory's last turn."""
+    width = max(1, max(len(row) for row in turn_rewards))
+    out = torch.zeros((len(turn_rewards), width), dtype=dtype, device=device)  # (B, K)
+    for b, row in enumerate(turn_rewards):
+        if len(row):
+            out[b, : len(row)] = torch.as_tensor([float(x) for x in row], dtype=dtype, device=device)
+    return out
+
+
+def _discounted_returns(
+    outcome: torch.Tensor, turn_rewards: Sequence[Sequence[float]], gamma: float, turn_weight: float, width: int
+) -> torch.Tensor:
+    """(B, K) per-turn returns ``R_t = sum_{k=t}^{K_b-1} gamma^(k-t) w r_k + gamma^(K_b-1-t) r_outcome``.
+
+    For ``t >= K_b`` (the trajectory has already stopped) ``R_t = R_{K_b-1}`` (``= r_outcome`` when ``K_b = 0``),
+    so that every turn index compares the whole group.
+    """
+    rows = []
+    for b, row in enumerate(turn_rewards):
+        ret = outcome[b]  # () the outcome is counted at the last turn
+        returns = []
+        for k in reversed(range(len(row))):
+            ret = turn_weight * float(row[k]) + (ret if k == len(row) - 1 else gamma * ret)  # () R_k
+            returns.append(ret)
+        returns.reverse()  # [R_0, ..., R_{K_b-1}]
+        last = returns[-1] if returns else outcome[b]  # () carried forward past the end
+        rows.append(torch.stack(returns + [last] * (width - len(returns))))  # (K,)
+    return torch.stack(rows)  # (B, K)
+
+
+def turn_advantages(
+    mode: str,
+    rewards: torch.Tensor | Sequence[float],
+    turn_rewards: Sequence[Sequence[float]] | None,
+    turn_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    group_size: int,
+    *,
+    scale: str = "group",
+    eps: float = 1e-6,
+    gamma: float = 1.0,
+    turn_weight: float = 1.0,
+) -> torch.Tensor:
+    """Per-token advantages (B, T) for the turn-credit ``mode`` (``MultiTurnGRPOConfig.turn_advantage``).
+
+    Notation: ``r_b`` the outcome reward of trajectory b (``rewards``), ``r_{b,k}`` the reward its action k earned
+    (``turn_rewards[b][k]``, k = 0..K_b-1), ``N_G[x]`` the group-relative normalization of a column ``x`` with
+    ``scale`` and ``eps`` (:func:`group_advantages`), ``k(b, t)`` the turn of token t (``turn_ids``).
+
+    - ``"trajectory"``: ``A_{b,t} = N_G[r]_b``, plain GRPO broadcast onto the action tokens; ``turn_rewards`` is
+      ignored (may be None).
+    - ``"mt-grpo"`` (Zeng et al., arXiv 2505.11821), generalized to K turns:
+      ``A^T_{b,k} = N_G[r_{.,k}]_b`` per turn index k (a trajectory without turn k counts ``r_{b,k} = 0``), and
+      ``A_{b,t} = N_G[r]_b + turn_weight * sum_{k >= k(b,t)} A^T_{b,k}``: the reward earned by the observation after
+      action k credits the tokens of turns 0..k. With K = 2 and a reward on turn 0 only this is the paper's
+      ``A = A^O + lambda A^T`` on the first turn and ``A^O`` on the second.
+    - ``"discounted"``: ``R_{b,k} = sum_{j >= k} gamma^(j-k) turn_weight r_{b,j} + gamma^(K_b-1-k) r_b`` (the outcome
+      counted at the last turn; a trajectory that stopped before k keeps its last return), and
+      ``A_{b,t} = N_G[R_{.,k(b,t)}]_b``: normalized across the group at the same turn index.
+
+    With every per-turn reward 0, "mt-grpo" (any weight) and "discounted" (gamma = 1) equal "trajectory" exactly.
+
+    Args:
+        mode: one of ``VALID_TURN_ADVANTAGES``.
+        rewards: (B,) outcome rewards. Per-turn rewards are NOT added to it here: pass them in ``turn_rewards``.
+        turn_rewards: B lists, list b holding the K_b per-turn rewards of trajectory b (lengths may differ).
+        turn_ids: (B, T) turn of each token (0-based), -1 on prompt/padding (``TrajectoryBatch.turn_ids``).
+        action_mask: (B, T) 1 on sampled tokens; the result is 0 wherever it is 0.
+        group_size: G, rollouts per prompt, contiguous rows.
+        scale, eps: as in :func:`group_advantages`, used for every normalization.
+        gamma: discount over turns for "discounted" (``turn_advantage_gamma``), in [0, 1].
+        turn_weight: weight of the turn-level signal relative to the outcome (``turn_advantage_weight``), >= 0.
+
+    Returns:
+        (B, T) float advantages on ``action_mask``'s device, 0.0 where ``action_mask`` is 0.
+    """
+    r = _as_rewards(rewards)  # (B,)
+    _check_scale(scale)
+    _check_group_size(group_size, r.numel())
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps={eps!r} must be a finite number >= 0.")
+    _check_turn_inputs(mode, r.numel(), turn_rewards, turn_ids, action_mask, gamma, turn_weight)
+
+    device = action_mask.device
+    r = r.to(device)  # (B,)
+    mask = action_mask.bool()  # (B, T)
+    outcome_adv = _normalize(r, group_size, scale, eps)  # (B,)
+    if mode == "trajectory":
+        per_token = outcome_adv[:, None].expand(mask.shape)  # (B, T)
+        return torch.where(mask, per_token, torch.zeros_like(per_token))  # (B, T)
+
+    if mode == "mt-grpo":
+        padded = _pad_turns(turn_rewards, r.dtype, device)  # (B, K) r_{b,k}, 0 after the last turn
+        turn_adv = torch.stack(
+            [_normalize(padded[:, k], group_size, scale, eps) for k in range(padded.shape[1])], dim=1
+        )  # (B, K) A^T_{b,k}
+        credit = turn_adv.flip(1).cumsum(1).flip(1)  # (B, K) sum_{k' >= k} A^T_{b,k'}
+        per_turn = outcome_adv[:, None] + turn_weight * credit  # (B, K)
+    else:  # "discounted"
+        width = max(1, max(len(row) for row in turn_rewards))
+        returns = _discounted_returns(r, turn_rewards, gamma, turn_weight, width)  # (B, K) R_{b,k}
+        per_turn = torch.stack(
+            [_normalize(returns[:, k], group_size, scale, eps) for k in range(width)], dim=1
+        )  # (B, K)
+
+    index = turn_ids.clamp(0, per_turn.shape[1] - 1)  # (B, T) safe gather index; masked tokens dropped below
+    per_token = per_turn.gather(1, index)  # (B, T) A_{b, k(b,t)}
+    return torch.where(mask, per_token, torch.zeros_like(per_token))  # (B, T)

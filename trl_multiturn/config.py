@@ -1,0 +1,169 @@
+"""``MultiTurnGRPOConfig``: TRL's ``GRPOConfig`` plus only the fields multi-turn training adds.
+
+Batch knobs in the terms of the theory (VeRL's): ``prompts_per_rollout`` (B), ``num_generations`` (G),
+``mini_batch_size`` (trajectories per optimizer step, global), ``micro_batch_size`` (trajectories per device per
+forward/backward) and ``ppo_epochs``. When they are given, ``__post_init__`` turns them into TRL's own fields
+(``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``steps_per_generation``, ``num_iterations``)
+through :class:`~trl_multiturn.batching.BatchPlan`, which checks every combination and names the knob to change.
+(``TrainingArguments`` already owns a ``train_batch_size`` property, hence ``prompts_per_rollout``.)
+
+Departure from TRL: the policy loss is aggregated by ``loss_aggregation`` (VeRL's modes, default the per-trajectory
+N_g normalization "seq-mean-token-mean") with mini-batch-global normalizers; TRL's ``loss_type`` is not used by
+this trainer. ``bf16`` defaults to False unless the machine supports it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .batching import BatchPlan
+
+
+def _bf16_supported() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+@dataclass
+class MultiTurnGRPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`MultiTurnGRPOTrainer`]: every field of TRL's `GRPOConfig`, plus the ones below.
+
+    > Parameters that control the multi-turn rollout
+
+    max_turns (`int`, defaults to `4`): maximum number of policy actions per trajectory.
+    max_tokens_per_turn (`int` or `None`): cap on tokens sampled in one turn (default: no cap beyond the budget).
+    max_observation_tokens (`int`, defaults to `512`): observations are cut to this many tokens with a marker.
+    env_timeout (`float`, defaults to `30.0`): seconds an environment call may take before it counts as failed.
+    raise_on_env_error (`bool`, defaults to `False`): raise instead of recording a failed environment call.
+
+    > Parameters that control the loss and the advantages
+
+    loss_aggregation (`str`, defaults to `"seq-mean-token-mean"`): VeRL's `loss_agg_mode`.
+    turn_advantage (`str`, defaults to `"trajectory"`): "trajectory", "mt-grpo" or "discounted".
+    turn_advantage_gamma (`float`, defaults to `1.0`): discount for "discounted".
+    turn_advantage_weight (`float`, defaults to `1.0`): weight of the turn-level term for "mt-grpo".
+    advantage_eps (`float`, defaults to `1e-6`): epsilon in `(r - mean) / (std + eps)` (VeRL's value).
+
+    > Parameters that control the batch plan (VeRL's knobs; all or none of the first three)
+
+    prompts_per_rollout, mini_batch_size, micro_batch_size, ppo_epochs.
+    """
+
+    # > Parameters that control the multi-turn rollout
+    max_turns: int = field(default=4, metadata={"help": "Maximum number of policy actions (turns) per trajectory."})
+    max_tokens_per_turn: int | None = field(
+        default=None,
+        metadata={"help": "Cap on the tokens the policy may sample in one turn. None: only the overall budget."},
+    )
+    max_observation_tokens: int | None = field(
+        default=512,
+        metadata={"help": "Observations longer than this many tokens are truncated with a visible marker."},
+    )
+    env_timeout: float | None = field(
+        default=30.0,
+        metadata={"help": "Seconds an environment reset/step may take; past it the trajectory ends as failed."},
+    )
+    raise_on_env_error: bool = field(
+        default=False,
+        metadata={"help": "Raise on a failed environment call instead of recording it and dropping the trajectory."},
+    )
+
+    # > Parameters that control the loss and advantages
+    loss_aggregation: str = field(
+        default="seq-mean-token-mean",
+        metadata={
+            "help": "How per-token losses become the mini-batch loss (VeRL's loss_agg_mode): 'seq-mean-token-mean' "
+            "(per-trajectory N_g normalization, default), 'token-mean', 'seq-mean-token-sum', "
+            "'seq-mean-token-sum-norm'. TRL aliases: 'grpo', 'bnpo', 'dr_grpo'."
+        },
+    )
+    turn_advantage: str = field(
+        default="trajectory",
+        metadata={"help": "Credit assignment: 'trajectory' (plain GRPO), 'mt-grpo' or 'discounted'."},
+    )
+    turn_advantage_gamma: float = field(
+        default=1.0, metadata={"help": "Discount gamma of the per-turn return for turn_advantage='discounted'."}
+    )
+    turn_advantage_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the turn-level advantage term for 'mt-grpo' and 'discounted'."}
+    )
+    advantage_eps: float = field(
+        default=1e-6, metadata={"help": "Epsilon in (r - mean_G) / (std_G + eps), as VeRL."}
+    )
+
+    # > Parameters that control the batch plan
+    prompts_per_rollout: int | None = field(
+        default=None,
+        metadata={"help": "B: prompts per rollout (VeRL data.train_batch_size). B*G trajectories share one old policy."},
+    )
+    mini_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Trajectories per optimizer step, over all devices (VeRL ppo_mini_batch_size * n)."},
+    )
+    micro_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Trajectories per device per forward/backward (VeRL ppo_micro_batch_size_per_gpu)."},
+    )
+    ppo_epochs: int | None = field(
+        default=None, metadata={"help": "Passes over each rollout (VeRL ppo_epochs; TRL num_iterations)."}
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:  # TRL defaults to bf16=True; only where the hardware supports it
+            self.bf16 = _bf16_supported()
+        import torch
+
+        from .advantages import VALID_TURN_ADVANTAGES
+        from .loss import aggregate_loss
+
+        aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), self.loss_aggregation)  # raises with the valid names
+        if self.turn_advantage not in VALID_TURN_ADVANTAGES:
+            raise ValueError(
+                f"turn_advantage={self.turn_advantage!r} is not supported; choose one of {list(VALID_TURN_ADVANTAGES)}."
+            )
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1; got {self.max_turns}. Use max_turns=1 for single-turn tasks.")
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ValueError(
+                f"max_completion_length must be a positive token budget; got {self.max_completion_length}."
+            )
+        knobs = {
+            "prompts_per_rollout": self.prompts_per_rollout,
+            "mini_batch_size": self.mini_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+        }
+        given = [k for k, v in knobs.items() if v is not None]
+        self.batch_plan = None
+        if given:
+            missing = [k for k, v in knobs.items() if v is None]
+            if missing:
+                raise ValueError(
+                    f"The batch plan needs prompts_per_rollout, mini_batch_size and micro_batch_size together; got "
+                    f"{', '.join(f'{k}={knobs[k]}' for k in given)} but not {', '.join(missing)}. Set the missing "
+                    "ones, or none of them to use TRL's per_device_train_batch_size / gradient_accumulation_steps."
+                )
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            self.batch_plan = BatchPlan(
+                train_batch_size=self.prompts_per_rollout,
+                num_generations=self.num_generations,
+                mini_batch_size=self.mini_batch_size,
+                micro_batch_size=self.micro_batch_size,
+                ppo_epochs=self.ppo_epochs or 1,
+                world_size=world_size,
+            )
+            for key, value in self.batch_plan.trl_kwargs().items():
+                setattr(self, key, value)
+            self.generation_batch_size = None  # derived from steps_per_generation by GRPOConfig
+        elif self.ppo_epochs is not None:
+            self.num_iterations = self.ppo_epochs
+        super().__post_init__()
+        if self.batch_plan is not None and self.world_size != self.batch_plan.world_size:
+            raise ValueError(
+                f"The batch plan was computed for WORLD_SIZE={self.batch_plan.world_size} but the run has "
+                f"world_size={self.world_size}. Launch with accelerate/torchrun so WORLD_SIZE is set."
+            )

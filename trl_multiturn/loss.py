@@ -1,0 +1,253 @@
+"""The clipped policy loss of multi-turn GRPO and its aggregation, as pure tensor functions.
+
+Per token (only where ``mask`` is 1, i.e. on tokens the policy sampled):
+
+    rho   = exp(clamp(logp - logp_old, -20, 20))
+    l_t   = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))           VeRL compute_policy_loss, dual-clip off
+
+then one scalar from the (B, T) matrix ``l`` by :func:`aggregate_loss` (VeRL's four ``loss_agg_mode`` values, TRL's
+``loss_type`` names as aliases). The project default is "seq-mean-token-mean": each trajectory's tokens are
+averaged over its own N_g sampled tokens, then trajectories are averaged.
+
+Split invariance: a mini-batch is cut into micro-batches (gradient accumulation) and ranks (DDP). Pass the WHOLE
+mini-batch's counts (:func:`loss_normalizers`, summed over micro-batches and ranks) as ``global_num_sequences`` /
+``global_num_tokens``; each shard then returns its contribution, and the SUM of the contributions equals the loss
+of the whole mini-batch for every mode. (VeRL multiplies by ``dp_size`` inside ``agg_loss`` to undo DDP's gradient
+averaging; here the caller does that, so these functions know nothing of ranks.)
+
+Departures from VeRL, numerically immaterial: per-sequence and masked means divide by ``max(count, 1)`` instead of
+``count + 1e-8``; masked positions are replaced (``torch.where``) before any arithmetic, so that a NaN or inf on a
+mask-0 token cannot reach the loss or the gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATION_ALIASES = {"grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm", "bnpo": "token-mean"}
+VALID_AGGREGATIONS = AGGREGATIONS + tuple(AGGREGATION_ALIASES)
+KL_ESTIMATORS = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+
+
+def canonical_aggregation(mode: str) -> str:
+    """VeRL name of an aggregation mode (TRL aliases resolved), or ValueError listing the valid names."""
+    if mode in AGGREGATIONS:
+        return mode
+    if mode in AGGREGATION_ALIASES:
+        return AGGREGATION_ALIASES[mode]
+    raise ValueError(
+        f"loss aggregation {mode!r} is not valid; choose one of {VALID_AGGREGATIONS} "
+        f"(TRL aliases: {AGGREGATION_ALIASES})."
+    )
+
+
+def _check_count(name: str, value: Any) -> None:
+    if value is not None and float(value) < 0:
+        raise ValueError(f"{name}={value!r} must be >= 0 (a count summed over the whole mini-batch).")
+
+
+def loss_normalizers(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's ``(num_sequences, num_tokens)``: rows with at least one mask-1 token, and mask-1 tokens.
+
+    Sum both over every micro-batch and rank of a mini-batch (e.g. ``accelerator.reduce(..., "sum")``) and pass the
+    sums as ``global_num_sequences`` / ``global_num_tokens``.
+
+    Args:
+        mask: (B, T) 1 on tokens that carry loss.
+
+    Returns:
+        two 0-dim int64 tensors on ``mask``'s device.
+    """
+    m = mask.bool()  # (B, T)
+    num_tokens = m.sum()  # ()
+    num_sequences = m.any(dim=-1).sum()  # () rows without a loss token are not counted (VeRL)
+    return num_sequences, num_tokens
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    global_num_sequences: int | float | torch.Tensor | None = None,
+    global_num_tokens: int | float | torch.Tensor | None = None,
+    norm_constant: int | float | None = None,
+) -> torch.Tensor:
+    """One scalar from a per-token loss matrix; VeRL's ``agg_loss`` semantics.
+
+    With ``S`` the rows that have a mask-1 token, ``N_b`` the mask-1 tokens of row b and ``N = sum_b N_b``:
+
+    - "token-mean" (TRL "bnpo"):            ``sum_{b,t} l_bt / N``
+    - "seq-mean-token-sum":                 ``1/|S| sum_{b in S} sum_t l_bt``
+    - "seq-mean-token-mean" (TRL "grpo"):   ``1/|S| sum_{b in S} (1/N_b) sum_t l_bt``            project default
+    - "seq-mean-token-sum-norm" (TRL "dr_grpo"): ``1/|S| sum_{b in S} sum_t l_bt / norm_constant``
+
+    Args:
+        loss_mat: (B, T) per-token loss; values where ``mask`` is 0 are ignored (even NaN / inf).
+        mask: (B, T) 1 on tokens that carry loss.
+        mode: one of ``VALID_AGGREGATIONS``.
+        global_num_sequences: |S| of the whole mini-batch (all micro-batches and ranks); replaces this shard's |S|.
+        global_num_tokens: N of the whole mini-batch; replaces this shard's N ("token-mean").
+        norm_constant: divisor of "seq-mean-token-sum-norm"; default ``T = mask.shape[-1]``. Pass a constant (e.g.
+            ``max_completion_length``) when micro-batches are padded to different widths.
+
+    Returns:
+        () the loss; with global counts, this shard's share so that the sum over shards is the mini-batch loss.
+        When the count it divides by is 0, a zero that keeps the graph.
+    """
+    mode = canonical_aggregation(mode)
+    if loss_mat.shape != mask.shape or loss_mat.dim() != 2:
+        raise ValueError(
+            f"loss_mat {tuple(loss_mat.shape)} and mask {tuple(mask.shape)} must both be (B, T) with the same shape."
+        )
+    _check_count("global_num_sequences", global_num_sequences)
+    _check_count("global_num_tokens", global_num_tokens)
+    if norm_constant is not None and not float(norm_constant) > 0:
+        raise ValueError(f"norm_constant={norm_constant!r} must be > 0 (e.g. max_completion_length).")
+
+    m = mask.bool()  # (B, T)
+    losses = torch.where(m, loss_mat, torch.zeros_like(loss_mat))  # (B, T) mask-0 entries can never leak
+    zero = losses.sum() * 0.0  # () a zero attached to the graph
+    tokens_per_row = m.sum(dim=-1)  # (B,) N_b
+
+    if mode == "token-mean":
+        denom = m.sum() if global_num_tokens is None else global_num_tokens  # () N
+        if float(denom) == 0:
+            return zero
+        return losses.sum() / denom  # ()
+
+    row_sums = losses.sum(dim=-1)  # (B,) sum_t l_bt
+    if mode == "seq-mean-token-mean":
+        row_losses = row_sums / tokens_per_row.clamp(min=1)  # (B,) token-mean per row; 0 for empty rows
+    else:
+        row_losses = row_sums  # (B,) token-sum per row; 0 for empty rows
+    denom = (tokens_per_row > 0).sum() if global_num_sequences is None else global_num_sequences  # () |S|
+    if float(denom) == 0:
+        return zero
+    loss = row_losses.sum() / denom  # () seq-mean (empty rows add 0 and are not counted)
+    if mode == "seq-mean-token-sum-norm":
+        loss = loss / (mask.shape[-1] if norm_constant is None else norm_constant)  # ()
+    return loss
+
+
+def _masked_mean(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """() mean of ``values`` over ``m`` (0 when ``m`` is empty); VeRL's ``masked_mean``."""
+    return torch.where(m, values, torch.zeros_like(values)).sum() / m.sum().clamp(min=1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    aggregation: str = "seq-mean-token-mean",
+    global_num_sequences: int | float | torch.Tensor | None = None,
+    global_num_tokens: int | float | torch.Tensor | None = None,
+    norm_constant: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped PPO/GRPO policy loss (VeRL ``compute_policy_loss``, dual-clip off) aggregated by :func:`aggregate_loss`.
+
+    Args:
+        logprobs: (B, T) log-probs of the sampled tokens under the current policy (carries the gradient).
+        old_logprobs: (B, T) log-probs under the behaviour policy that sampled them (``TrajectoryBatch.old_logprobs``).
+        advantages: (B,) one per trajectory, or (B, T) one per token (:func:`~trl_multiturn.advantages.turn_advantages`).
+        mask: (B, T) 1 on tokens the policy sampled; every other position has no effect on loss or gradient.
+        epsilon_low, epsilon_high: the clip range ``[1 - epsilon_low, 1 + epsilon_high]`` (TRL ``epsilon``,
+            ``epsilon_high``; VeRL ``clip_ratio_low``, ``clip_ratio_high``).
+        aggregation, global_num_sequences, global_num_tokens, norm_constant: passed to :func:`aggregate_loss`.
+
+    Returns:
+        ``(loss, stats)``. ``loss`` () is what to backpropagate. ``stats`` holds detached 0-dim tensors:
+        ``pg_loss`` (= loss; a shard's share when global counts are given), ``pg_clipfrac`` (fraction of mask tokens
+        where the clipped term is the larger loss), ``ppo_kl`` (mean of ``logp_old - logp``), ``ratio_mean``,
+        ``ratio_min``, ``ratio_max`` (over mask tokens; min/max are NaN when there is none: combine shards with
+        ``torch.fmin`` / ``torch.fmax``), and ``num_tokens`` (mask tokens, to token-weight the means across shards).
+    """
+    if not (logprobs.shape == old_logprobs.shape == mask.shape) or logprobs.dim() != 2:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "
+            f"{tuple(mask.shape)} must all be (B, T) with the same shape."
+        )
+    if advantages.shape not in (logprobs.shape, logprobs.shape[:1]):
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)}; expected (B,) = {tuple(logprobs.shape[:1])} "
+            f"or (B, T) = {tuple(logprobs.shape)}."
+        )
+    if not (epsilon_low >= 0 and epsilon_high >= 0):
+        raise ValueError(f"epsilon_low={epsilon_low!r} and epsilon_high={epsilon_high!r} must both be >= 0.")
+
+    m = mask.bool()  # (B, T)
+    adv = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages  # (B, T)
+    logp = torch.where(m, logprobs, torch.zeros_like(logprobs))  # (B, T) mask-0 values replaced, grad 0 there
+    logp_old = torch.where(m, old_logprobs, torch.zeros_like(old_logprobs))  # (B, T)
+    adv = torch.where(m, adv, torch.zeros_like(adv))  # (B, T)
+
+    log_ratio = torch.clamp(logp - logp_old, min=-20.0, max=20.0)  # (B, T) log rho, clamped as VeRL
+    ratio = torch.exp(log_ratio)  # (B, T) rho
+    loss_unclipped = -adv * ratio  # (B, T) -A rho
+    loss_clipped = -adv * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)  # (B, T) -A clip(rho)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)  # (B, T) pessimistic bound
+    loss = aggregate_loss(
+        loss_mat,
+        mask,
+        aggregation,
+        global_num_sequences=global_num_sequences,
+        global_num_tokens=global_num_tokens,
+        norm_constant=norm_constant,
+    )  # ()
+
+    with torch.no_grad():
+        ratio_d = ratio.detach()  # (B, T)
+        inf = torch.full_like(ratio_d, float("inf"))  # (B, T)
+        nan = ratio_d.new_tensor(float("nan"))  # () min/max of no token
+        any_token = bool(m.any())
+        stats = {
+            "pg_loss": loss.detach(),  # ()
+            "pg_clipfrac": _masked_mean((loss_clipped > loss_unclipped).to(ratio_d.dtype), m),  # ()
+            "ppo_kl": _masked_mean(-log_ratio.detach(), m),  # () mean of logp_old - logp
+            "ratio_mean": _masked_mean(ratio_d, m),  # ()
+            "ratio_min": torch.where(m, ratio_d, inf).min() if any_token else nan,  # ()
+            "ratio_max": torch.where(m, ratio_d, -inf).max() if any_token else nan,  # ()
+            "num_tokens": m.sum(),  # () int64
+        }
+    return loss, stats
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled tokens; VeRL's ``kl_penalty`` estimators.
+
+    With ``d = logp - logp_ref``: "kl"/"k1" ``d``; "abs" ``|d|``; "mse"/"k2" ``d^2 / 2``; "low_var_kl"/"k3"
+    ``exp(-d) + d - 1`` with ``-d`` clamped to [-20, 20] and the result to [-10, 10] (Schulman's k3; TRL's
+    ``per_token_kl`` without the clamps). Aggregate it like the policy loss:
+    ``beta * aggregate_loss(kl_penalty(...), mask, mode)``.
+
+    Args:
+        logprobs: (B, T) current policy log-probs.
+        ref_logprobs: (B, T) reference policy log-probs.
+        kind: one of "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3".
+
+    Returns:
+        (B, T) per-token KL estimate (unmasked: aggregate it with the action mask).
+    """
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"kl_penalty kind {kind!r} is not valid; choose one of {tuple(KL_ESTIMATORS)}.")
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} must have the same shape."
+        )
+    estimator = KL_ESTIMATORS[kind]
+    diff = logprobs - ref_logprobs  # (B, T) d
+    if estimator == "k1":
+        return diff  # (B, T)
+    if estimator == "abs":
+        return diff.abs()  # (B, T)
+    if estimator == "k2":
+        return 0.5 * diff.square()  # (B, T)
+    neg = torch.clamp(-diff, min=-20.0, max=20.0)  # (B, T) logp_ref - logp
+    return torch.clamp(torch.exp(neg) - neg - 1.0, min=-10.0, max=10.0)  # (B, T) k3

@@ -1,0 +1,519 @@
+"""``MultiTurnGRPOTrainer``: TRL's ``GRPOTrainer`` with multi-turn environments, exact observation masks, group
+advantages (trajectory- or turn-level) and the N_g-normalized clipped loss with mini-batch-global normalizers.
+
+How it plugs into TRL 1.16 (thin, through its seams):
+
+* rollouts go through TRL's public ``rollout_func`` seam: our loop returns the exact ``prompt_ids``,
+  ``completion_ids``, sampling ``logprobs`` and ``env_mask`` (our action mask) plus per-trajectory fields that reach
+  the reward functions as keyword arguments (``env_reward``, ``num_turns``, ``turn_rewards``, ``final_answer``, ...);
+* ``_generate_and_score_completions`` is extended (calls ``super()``) to run the environments before TRL's part and
+  to replace TRL's advantages with ours (``trl_multiturn.advantages``: VeRL's eps, NaN/inf rewards dropped, turn-level
+  modes as (B, T) tensors);
+* ``_prepare_inputs`` (train mode) cuts the rollout into micro-batches keeping GRPO groups whole (groups are
+  shuffled, not their members) and attaches to each micro-batch the sequence and token counts of its mini-batch
+  over all ranks, so accumulated micro-batch losses equal the mini-batch loss for every aggregation mode;
+* ``compute_loss`` computes the policy loss with ``trl_multiturn.loss`` (not TRL's ``loss_type``).
+
+Departures from TRL's ``GRPOTrainer``: ``loss_aggregation`` replaces ``loss_type``; ``advantage_eps`` (1e-6, VeRL)
+replaces TRL's 1e-4; groups stay whole inside mini-batches; trajectories whose environment failed or whose reward is
+not finite are dropped from the loss and from their group's baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter, defaultdict
+from typing import Any, Callable
+
+import torch
+from trl import GRPOTrainer
+from trl.models.utils import unwrap_model_for_generation
+from trl.trainer.utils import split_tensor_dict
+
+from .advantages import group_advantages, turn_advantages
+from .config import MultiTurnGRPOConfig
+from .generation import SamplingParams, TransformersGenerator
+from .loss import aggregate_loss, kl_penalty, loss_normalizers, policy_loss
+from .protocols import ChatToolProtocol, Protocol, TagProtocol
+from .rollout import MultiTurnRollout, RolloutConfig
+from .trajectory import Trajectory
+from .trl_compat import TRLEnvironmentAdapter, is_trl_environment
+
+logger = logging.getLogger(__name__)
+
+#: metric keys logged once per optimizer step (one mini-batch)
+STEP_METRICS = ("loss/pg_loss", "loss/pg_clipfrac", "loss/ppo_kl", "loss/ratio_mean", "loss/ratio_min", "loss/ratio_max")
+
+
+def _env_reward(completions, env_reward, **kwargs) -> list[float]:
+    """Reward function exposing the sum of the environment's per-turn rewards (NaN for a failed trajectory)."""
+    return [float(r) for r in env_reward]
+
+
+_env_reward.__name__ = "env_reward"
+
+
+class MultiTurnGRPOTrainer(GRPOTrainer):
+    """Multi-turn GRPO trainer.
+
+    Args:
+        model: model id, path or ``PreTrainedModel`` (as ``GRPOTrainer``).
+        reward_funcs: TRL reward functions (``f(prompts, completions, completion_ids, **columns) -> list[float]``); they
+            also receive the trajectory fields ``env_reward``, ``num_turns``, ``turn_rewards``, ``truncated``,
+            ``final_answer``, ``stop_reason``. May be empty when the environment rewards.
+        args: :class:`~trl_multiturn.config.MultiTurnGRPOConfig`.
+        train_dataset / eval_dataset: rows handed to ``Environment.reset``.
+        environment_factory: zero-argument callable returning a fresh environment per trajectory; either this
+            package's contract (``reset(example)``/``step(action)``) or a TRL 1.16 environment class (public methods as
+            tools, ``reset(**row)``, optional ``get_reward``), which is adapted and defaults to ``ChatToolProtocol``.
+        protocol: how actions and observations are written (default: the environment's ``protocol`` attribute, else
+            ``TagProtocol()``; ``ChatToolProtocol()`` for TRL-style environments).
+        peft_config, processing_class, callbacks, optimizers, reward_processing_classes: as ``GRPOTrainer``.
+    """
+
+    def __init__(
+        self,
+        model,
+        reward_funcs: Callable | list[Callable] | None = None,
+        args: MultiTurnGRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        environment_factory: Callable[[], Any] | None = None,
+        protocol: Protocol | None = None,
+    ):
+        if args is None:
+            args = MultiTurnGRPOConfig("multiturn-grpo")
+        if not isinstance(args, MultiTurnGRPOConfig):
+            raise TypeError(
+                f"args must be a MultiTurnGRPOConfig, got {type(args).__name__}. Build it with "
+                "MultiTurnGRPOConfig(**your_grpo_config.to_dict())."
+            )
+        if environment_factory is None:
+            raise ValueError(
+                "MultiTurnGRPOTrainer needs environment_factory (a callable returning one environment per "
+                "trajectory). For single-turn GRPO use trl.GRPOTrainer."
+            )
+        probe = environment_factory()
+        if is_trl_environment(probe):
+            factory = lambda: TRLEnvironmentAdapter(environment_factory())  # noqa: E731
+            protocol = protocol or ChatToolProtocol()
+        elif callable(getattr(probe, "reset", None)) and callable(getattr(probe, "step", None)):
+            factory = environment_factory
+            protocol = protocol or getattr(probe, "protocol", None) or TagProtocol()
+        else:
+            raise TypeError(
+                f"environment_factory returned {type(probe).__name__}, which has no reset(). An environment needs "
+                "reset(example) and step(action) (see trl_multiturn.environment), or be a TRL-style class."
+            )
+        if getattr(protocol, "requires_stop_strings", False) and not protocol.stop_strings:
+            raise ValueError(
+                f"{type(protocol).__name__} has no stop strings, so a turn would never end at an action. Give it at "
+                "least one tool tag or an answer tag."
+            )
+        if args.max_observation_tokens is not None:
+            protocol.max_observation_tokens = args.max_observation_tokens
+        required = tuple(getattr(probe, "required_columns", ()) or ())
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            columns = getattr(dataset, "column_names", None)
+            if isinstance(columns, dict):  # DatasetDict
+                columns = next(iter(columns.values()), [])
+            if columns is not None and required:
+                missing = [c for c in required if c not in columns]
+                if missing:
+                    raise ValueError(
+                        f"{name} lacks the column(s) {missing} that {type(probe).__name__} needs; it has {columns}. "
+                        "Rename or add them (e.g. dataset.rename_column(old, new))."
+                    )
+        close = getattr(probe, "close", None)
+        if callable(close):
+            close()
+
+        user_funcs = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs])
+        if args.reward_weights is not None:
+            if len(args.reward_weights) != len(user_funcs):
+                raise ValueError(
+                    f"reward_weights has {len(args.reward_weights)} entries but {len(user_funcs)} reward_funcs were "
+                    "given; give one weight per reward function (the environment reward has weight 1)."
+                )
+            args.reward_weights = list(args.reward_weights) + [1.0]
+
+        self.protocol = protocol
+        self._environment_factory = factory
+        self._pending_trajectories: list[Trajectory] | None = None
+        self._step_accumulator: dict[str, float] = defaultdict(float)
+        super().__init__(
+            model=model,
+            reward_funcs=user_funcs + [_env_reward],
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            rollout_func=self._rollout_func,
+        )
+        tokenizer = self._tokenizer
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token.")
+            logger.warning("The tokenizer has no pad token; using its EOS token %r for padding.", tokenizer.eos_token)
+            tokenizer.pad_token = tokenizer.eos_token
+        protocol.validate(tokenizer)
+        max_context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        self.rollout = MultiTurnRollout(
+            self._environment_factory,
+            protocol,
+            tokenizer,
+            RolloutConfig(
+                max_turns=args.max_turns,
+                max_completion_length=args.max_completion_length,
+                max_tokens_per_turn=args.max_tokens_per_turn,
+                max_context_length=max_context,
+                env_timeout=args.env_timeout,
+                raise_on_env_error=args.raise_on_env_error,
+            ),
+        )
+        self._sampling_generator = torch.Generator().manual_seed(args.seed)
+
+    # ------------------------------------------------------------------ rollout
+    def _sampling_params(self) -> SamplingParams:
+        a = self.args
+        return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0)
+
+    def _run_rollout(self, inputs: list[dict]) -> list[Trajectory]:
+        """Roll out one trajectory per input row with the current policy (eval mode, no gradients)."""
+        with unwrap_model_for_generation(
+            self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+        ) as unwrapped:
+            was_training = unwrapped.training
+            unwrapped.eval()
+            try:
+                generator = TransformersGenerator(unwrapped, self._tokenizer, generator=self._sampling_generator)
+                trajectories = self.rollout.run(inputs, generator, self._sampling_params())
+            finally:
+                if was_training:
+                    unwrapped.train()
+        return trajectories
+
+    def _rollout_func(self, prompts, trainer) -> dict[str, list]:
+        """TRL's ``rollout_func`` seam: hand over the trajectories computed for this batch."""
+        trajs = self._pending_trajectories
+        if trajs is None or len(trajs) != len(prompts):
+            raise RuntimeError("internal: trajectories were not prepared for this batch")
+        return {
+            "prompt_ids": [t.prompt_ids for t in trajs],
+            "completion_ids": [t.completion_ids for t in trajs],
+            "logprobs": [t.logprobs for t in trajs],
+            "env_mask": [t.action_mask for t in trajs],
+            "env_reward": [float("nan") if t.info.get("failed") else float(sum(t.turn_rewards)) for t in trajs],
+            "num_turns": [t.num_turns for t in trajs],
+            "turn_rewards": [list(t.turn_rewards) for t in trajs],
+            "truncated": [t.truncated for t in trajs],
+            "final_answer": [t.info.get("final_answer") for t in trajs],
+            "stop_reason": [t.info.get("stop_reason") for t in trajs],
+        }
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = rewards_per_func  # (B_global, F), gathered over processes
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        mode = "train" if self.model.training else "eval"
+        trajs = self._run_rollout(inputs)
+        inputs = [dict(x) for x in inputs]
+        for x, t in zip(inputs, trajs):
+            if "prompt" not in x:
+                x["prompt"] = self._tokenizer.decode(t.prompt_ids, skip_special_tokens=False)
+        self._pending_trajectories = trajs
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._pending_trajectories = None
+        self._replace_advantages(output, trajs, mode)
+        self._log_rollout_metrics(trajs, mode)
+        return output
+
+    # ------------------------------------------------------------------ advantages
+    def _replace_advantages(self, output: dict, trajs: list[Trajectory], mode: str) -> None:
+        device = self.accelerator.device
+        args = self.args
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        rpf = self._last_rewards_per_func  # (B_global, F)
+        weights = self.reward_weights.to(rpf.device)
+        rewards = (rpf * weights.unsqueeze(0)).nansum(dim=1)  # (B_global,)
+        # A reward is dropped when the environment failed (env_reward NaN) or any reward is not finite.
+        bad = ~torch.isfinite(rpf[:, -1]) | torch.isinf(rpf).any(dim=1) | torch.isnan(rpf).all(dim=1)  # (B_global,)
+        local_failed = torch.tensor([bool(t.info.get("failed")) for t in trajs], device=device)
+        failed = self.accelerator.gather(local_failed)  # (B_global,)
+        dropped = bad | failed
+        n_drop = int(dropped.sum())
+        if n_drop:
+            logger.warning(
+                "%d of %d trajectories dropped from the loss (environment failure or non-finite reward).",
+                n_drop, len(dropped),
+            )
+        start = self.accelerator.process_index * len(trajs)
+        local = slice(start, start + len(trajs))
+        local_dropped = dropped[local]
+        for t, d, r in zip(trajs, local_dropped.tolist(), rewards[local].tolist()):
+            t.reward = float("nan") if d else float(r)
+
+        safe = rewards.clone()
+        safe[dropped] = float("nan")
+        scale = args.scale_rewards if args.scale_rewards in ("group", "batch", "none") else "group"
+        seq_adv = _nan_aware_group_advantages(safe, group_size, scale, args.advantage_eps)  # (B_global,)
+
+        if args.turn_advantage == "trajectory":
+            advantages = seq_adv[local].to(device)  # (B_local,)
+        else:
+            all_turn_rewards = _gather_list(self.accelerator, [list(t.turn_rewards) for t in trajs])
+            width = output["completion_ids"].size(1)
+            all_turn_ids = _gather_list(self.accelerator, [t.turn_ids for t in trajs])
+            all_masks = _gather_list(self.accelerator, [t.action_mask for t in trajs])
+            turn_ids = torch.full((len(all_turn_ids), width), -1, dtype=torch.long)
+            action_mask = torch.zeros((len(all_turn_ids), width), dtype=torch.long)
+            for i, (tid, m) in enumerate(zip(all_turn_ids, all_masks)):
+                turn_ids[i, : len(tid)] = torch.tensor(tid, dtype=torch.long)
+                action_mask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
+            filled = torch.where(dropped.cpu(), _group_nanmean(safe.cpu(), group_size), safe.cpu())
+            tok_adv = turn_advantages(
+                args.turn_advantage,
+                filled,
+                all_turn_rewards,
+                turn_ids,
+                action_mask,
+                group_size,
+                scale=scale,
+                eps=args.advantage_eps,
+                gamma=args.turn_advantage_gamma,
+                turn_weight=args.turn_advantage_weight,
+            )  # (B_global, T)
+            tok_adv[dropped.cpu()] = 0.0
+            advantages = tok_adv[local].to(device)  # (B_local, T)
+        output["advantages"] = advantages
+        if local_dropped.any():
+            keep = (~local_dropped).long().unsqueeze(1)  # (B_local, 1)
+            output["tool_mask"] = output["tool_mask"] * keep
+        self._metrics[mode]["rollout/dropped_frac"].append(float(dropped.float().mean()))
+
+    # ------------------------------------------------------------------ metrics
+    def _log_rollout_metrics(self, trajs: list[Trajectory], mode: str) -> None:
+        rows = [
+            [
+                t.num_turns,
+                float(t.truncated),
+                float(bool(t.info.get("failed"))),
+                len(t.info.get("env_errors", [])),
+                t.num_action_tokens,
+                t.num_observation_tokens,
+                sum(1 for k in t.info.get("actions", []) if k == "tool"),
+                sum(1 for k in t.info.get("actions", []) if k == "answer"),
+                sum(1 for k in t.info.get("actions", []) if k == "invalid"),
+                float(t.info.get("observation_truncated", 0)),
+            ]
+            for t in trajs
+        ]
+        stats = self.accelerator.gather(torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device))
+        turns, trunc, failed, errors, a_tok, o_tok, tool, answer, invalid, obs_trunc = stats.T
+        total_actions = (tool + answer + invalid).sum().clamp(min=1)
+        m = self._metrics[mode]
+        m["rollout/turns_mean"].append(turns.mean().item())
+        m["rollout/turns_max"].append(turns.max().item())
+        m["rollout/truncated_frac"].append(trunc.mean().item())
+        m["rollout/assistant_tokens_mean"].append(a_tok.mean().item())
+        m["rollout/observation_tokens_mean"].append(o_tok.mean().item())
+        m["rollout/actions_tool_frac"].append((tool.sum() / total_actions).item())
+        m["rollout/actions_answer_frac"].append((answer.sum() / total_actions).item())
+        m["rollout/invalid_action_rate"].append((invalid.sum() / total_actions).item())
+        m["env/errors"].append(errors.sum().item())
+        m["env/failed_frac"].append(failed.mean().item())
+        m["env/observations_truncated"].append(obs_trunc.sum().item())
+        rewards = self.accelerator.gather(
+            torch.tensor([t.reward for t in trajs], dtype=torch.float32, device=self.accelerator.device)
+        )
+        group = self.num_generations if mode == "train" else self.num_generations_eval
+        finite = rewards[torch.isfinite(rewards)]
+        m["rollout/reward_mean"].append(finite.mean().item() if finite.numel() else float("nan"))
+        m["rollout/reward_std"].append(finite.std().item() if finite.numel() > 1 else 0.0)
+        if rewards.numel() % group == 0 and group > 1:
+            g = rewards.view(-1, group)
+            zero = torch.tensor([bool((row[torch.isfinite(row)].std() if torch.isfinite(row).sum() > 1 else 0) == 0) for row in g])
+            m["rollout/zero_std_group_frac"].append(zero.float().mean().item())
+        reasons = Counter(t.info.get("stop_reason") for t in trajs)
+        self.last_stop_reasons = dict(reasons)
+
+    # ------------------------------------------------------------------ batching
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        steps = self.args.steps_per_generation
+        generate_every = steps * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            batch = _shuffle_groups(batch, self.num_generations)
+            chunks = split_tensor_dict(batch, steps)
+            self._attach_normalizers(chunks)
+            self._buffered_inputs = chunks
+        return self._buffered_inputs[self._step % steps]
+
+    def _attach_normalizers(self, chunks: list[dict]) -> None:
+        """Give each micro-batch the (sequence, token) counts of its whole mini-batch over all ranks."""
+        accum = self.args.gradient_accumulation_steps
+        local = torch.zeros(len(chunks), 2, dtype=torch.float64, device=self.accelerator.device)
+        for j, chunk in enumerate(chunks):
+            mask = chunk["completion_mask"] * chunk["tool_mask"]
+            local[j, 0], local[j, 1] = loss_normalizers(mask)
+        totals = self.accelerator.reduce(local, reduction="sum")  # (chunks, 2) summed over ranks
+        for j, chunk in enumerate(chunks):
+            mb = j // accum
+            group = totals[mb * accum : (mb + 1) * accum].sum(dim=0)
+            chunk["mb_num_sequences"] = group[0].float()
+            chunk["mb_num_tokens"] = group[1].float()
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("MultiTurnGRPOTrainer does not return outputs from compute_loss.")
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P+C)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (B, P+C)
+        mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask  # (B, C)
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1)
+        )  # (B, C)
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old  # (B, C)
+        if mode == "train" and "mb_num_sequences" in inputs:
+            n_seq, n_tok = inputs["mb_num_sequences"], inputs["mb_num_tokens"]
+        else:
+            n_seq, n_tok = loss_normalizers(mask)
+        agg = self.args.loss_aggregation
+        norm_constant = float(self.args.max_completion_length)
+        loss, stats = policy_loss(
+            logps,
+            old,
+            inputs["advantages"],
+            mask,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            aggregation=agg,
+            global_num_sequences=n_seq,
+            global_num_tokens=n_tok,
+            norm_constant=norm_constant,
+        )
+        pg_part = loss.detach()
+        if self.beta != 0.0:
+            kl = kl_penalty(logps, inputs["ref_per_token_logps"], kind="low_var_kl")  # (B, C)
+            kl_loss = aggregate_loss(
+                kl, mask, agg, global_num_sequences=n_seq, global_num_tokens=n_tok, norm_constant=norm_constant
+            )
+            loss = loss + self.beta * kl_loss
+            self._step_accumulator["loss/kl"] += float(kl_loss.detach())
+        self._accumulate_step_stats(pg_part, stats, mode)
+        # DDP / DeepSpeed average gradients over ranks; the normalizers already span all ranks, so undo the average.
+        return loss * self.accelerator.num_processes
+
+    def _accumulate_step_stats(self, pg_part: torch.Tensor, stats: dict, mode: str) -> None:
+        acc = self._step_accumulator
+        ntok = float(stats["num_tokens"])
+        acc["loss/pg_loss"] += float(pg_part)
+        acc["tokens"] += ntok
+        acc["clip_sum"] += float(stats["pg_clipfrac"]) * ntok
+        acc["kl_sum"] += float(stats["ppo_kl"]) * ntok
+        acc["ratio_sum"] += float(stats["ratio_mean"]) * ntok
+        if ntok > 0:
+            acc["ratio_min"] = min(acc.get("ratio_min", math.inf), float(stats["ratio_min"]))
+            acc["ratio_max"] = max(acc.get("ratio_max", -math.inf), float(stats["ratio_max"]))
+        if mode == "train" and not self.accelerator.sync_gradients:
+            return  # more micro-batches of this mini-batch to come
+        device = self.accelerator.device
+        sums = torch.tensor(
+            [acc["loss/pg_loss"], acc["tokens"], acc["clip_sum"], acc["kl_sum"], acc["ratio_sum"], acc.get("loss/kl", 0.0)],
+            dtype=torch.float64,
+            device=device,
+        )
+        sums = self.accelerator.reduce(sums, reduction="sum")
+        extrema = torch.tensor([-acc.get("ratio_min", math.inf), acc.get("ratio_max", -math.inf)], device=device)
+        extrema = self.accelerator.reduce(extrema, reduction="max") if self.accelerator.num_processes > 1 else extrema
+        tokens = max(float(sums[1]), 1.0)
+        m = self._metrics[mode]
+        m["loss/pg_loss"].append(float(sums[0]))
+        m["loss/pg_clipfrac"].append(float(sums[2]) / tokens)
+        m["loss/ppo_kl"].append(float(sums[3]) / tokens)
+        m["loss/ratio_mean"].append(float(sums[4]) / tokens)
+        m["loss/ratio_min"].append(float(-extrema[0]) if math.isfinite(float(extrema[0])) else 1.0)
+        m["loss/ratio_max"].append(float(extrema[1]) if math.isfinite(float(extrema[1])) else 1.0)
+        if self.beta != 0.0:
+            m["loss/kl"].append(float(sums[5]))
+        self._step_accumulator = defaultdict(float)
+
+
+# ---------------------------------------------------------------------- helpers (pure)
+def _gather_list(accelerator, items: list) -> list:
+    if accelerator.num_processes == 1:
+        return list(items)
+    from accelerate.utils import gather_object
+
+    return gather_object(items)
+
+
+def _group_nanmean(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each row's group mean over finite members (0 for an all-NaN group). rewards: (B,) -> (B,)."""
+    g = rewards.view(-1, group_size)  # (B/G, G)
+    finite = torch.isfinite(g)  # (B/G, G)
+    mean = torch.where(finite, g, torch.zeros_like(g)).sum(1) / finite.sum(1).clamp(min=1)  # (B/G,)
+    return mean.repeat_interleave(group_size)  # (B,)
+
+
+def _nan_aware_group_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: float) -> torch.Tensor:
+    """``group_advantages`` over the finite members of each group; dropped (NaN) rows get advantage 0."""
+    finite = torch.isfinite(rewards)
+    if bool(finite.all()):
+        return group_advantages(rewards, group_size, scale=scale, eps=eps)
+    out = torch.zeros_like(rewards)
+    if scale == "batch":
+        # batch std over the kept rows, group means over the kept members
+        kept = rewards[finite]
+        std = kept.std() if kept.numel() > 1 else torch.tensor(1.0)
+        mean = _group_nanmean(rewards, group_size)
+        out[finite] = ((rewards - mean) / (std + eps))[finite]
+        return out
+    for start in range(0, rewards.numel(), group_size):
+        sl = slice(start, start + group_size)
+        keep = finite[sl]
+        n = int(keep.sum())
+        if n == 0:
+            continue
+        vals = rewards[sl][keep]
+        out[sl][keep] = group_advantages(vals, n, scale=scale, eps=eps)
+    return out
+
+
+def _shuffle_groups(batch: dict, group_size: int) -> dict:
+    """Permute whole GRPO groups (members stay together and in order) across the local rollout."""
+    n = next(len(v) for v in batch.values() if isinstance(v, (list, torch.Tensor)) and getattr(v, "ndim", 1) > 0)
+    if n % group_size != 0:
+        perm = torch.randperm(n)  # groups are split across ranks: fall back to a plain shuffle
+    else:
+        order = torch.randperm(n // group_size)
+        perm = (order.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.size(0) == n:
+            out[key] = value[perm.to(value.device)]
+        elif isinstance(value, list) and len(value) == n:
+            out[key] = [value[i] for i in perm.tolist()]
+        else:
+            out[key] = value
+    return out
