@@ -3,7 +3,7 @@
 A group is the ``G = group_size`` rollouts of one prompt, stored contiguously: rows ``[g*G, (g+1)*G)`` of every
 input belong to group ``g`` (TRL's and this package's layout). :func:`group_advantages` is GRPO's
 
-    A_i = (r_i - mean_G(r)) / (std_G(r) + eps)        std unbiased (Bessel), as VeRL's ``compute_grpo_outcome_advantage``
+    A_i = (r_i - mean_G(r)) / (std_G(r) + eps)      std unbiased (Bessel), as VeRL's ``compute_grpo_outcome_advantage``
 
 and :func:`turn_advantages` turns rewards into one advantage per token (B, T) for the three credit-assignment
 modes of ``MultiTurnGRPOConfig.turn_advantage`` (see docs/turn_credit.md for the equations and caveats).
@@ -11,7 +11,7 @@ modes of ``MultiTurnGRPOConfig.turn_advantage`` (see docs/turn_credit.md for the
 Departures from VeRL / TRL, each on purpose:
 - A group whose rewards are all identical gets advantage exactly 0 (VeRL computes ``(r - mean) / (std + eps)``,
   which in float arithmetic can leave a residue of the mean's rounding divided by ``eps``).
-- VeRL's group of size 1 (mean 0, std 1, so ``A = r``) is kept, and applied under every ``scale``.
+- VeRL's group of size 1 (mean 0, std 1, so ``A = r / (1 + eps)``) is kept, and applied under every ``scale``.
 - ``scale="batch"`` is TRL's ``scale_rewards="batch"``: the group mean, divided by the std of the whole batch.
 - ``eps`` defaults to VeRL's 1e-6 (TRL adds 1e-4).
 """
@@ -72,8 +72,8 @@ def _as_rewards(rewards: torch.Tensor | Sequence[float]) -> torch.Tensor:
 def _normalize(values: torch.Tensor, group_size: int, scale: str, eps: float) -> torch.Tensor:
     """Group-relative normalization of validated ``values`` (B,) -> (B,); the math of :func:`group_advantages`."""
     grouped = values.view(-1, group_size)  # (B/G, G)
-    if group_size == 1:  # VeRL: a lone rollout has mean 0 and std 1, so its advantage is its reward
-        return values.clone()  # (B,)
+    if group_size == 1:  # VeRL: a lone rollout has mean 0 and std 1 (under every scale here)
+        return values.clone() if scale == "none" else values / (1.0 + eps)  # (B,)
     mean = grouped.mean(dim=1, keepdim=True)  # (B/G, 1)
     std = grouped.std(dim=1, keepdim=True)  # (B/G, 1) unbiased, as torch.std and VeRL
     equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (B/G, 1) True where all G rewards are identical
@@ -105,7 +105,7 @@ def group_advantages(
 
     Returns:
         (B,) advantages (float dtype of ``rewards``, float32 for integer input). A group of identical rewards gets
-        exactly 0; a group of size 1 gets ``A = r`` (VeRL: mean 0, std 1).
+        exactly 0; a group of size 1 gets ``A = r / (1 + eps)`` (VeRL: mean 0, std 1; ``r`` for "none").
 
     Raises:
         ValueError: non-finite rewards, a count that is not a multiple of ``group_size``, an unknown ``scale``,
@@ -186,19 +186,18 @@ def _discounted_returns(
     """(B, K) per-turn returns ``R_t = sum_{k=t}^{K_b-1} gamma^(k-t) w r_k + gamma^(K_b-1-t) r_outcome``.
 
     For ``t >= K_b`` (the trajectory has already stopped) ``R_t = R_{K_b-1}`` (``= r_outcome`` when ``K_b = 0``),
-    so that every turn index compares the whole group.
+    so that every turn index compares the whole group. Computed in Python floats (K is small), then one tensor.
     """
     rows = []
-    for b, row in enumerate(turn_rewards):
-        ret = outcome[b]  # () the outcome is counted at the last turn
+    for ret, row in zip(outcome.tolist(), turn_rewards):  # ret starts as the outcome, counted at the last turn
         returns = []
         for k in reversed(range(len(row))):
-            ret = turn_weight * float(row[k]) + (ret if k == len(row) - 1 else gamma * ret)  # () R_k
+            ret = turn_weight * float(row[k]) + (ret if k == len(row) - 1 else gamma * ret)  # R_k
             returns.append(ret)
         returns.reverse()  # [R_0, ..., R_{K_b-1}]
-        last = returns[-1] if returns else outcome[b]  # () carried forward past the end
-        rows.append(torch.stack(returns + [last] * (width - len(returns))))  # (K,)
-    return torch.stack(rows)  # (B, K)
+        last = returns[-1] if returns else ret  # R_{K_b-1}, or the outcome when there is no turn
+        rows.append(returns + [last] * (width - len(returns)))  # the last return carried past the end
+    return torch.tensor(rows, dtype=outcome.dtype, device=outcome.device)  # (B, K)
 
 
 def turn_advantages(

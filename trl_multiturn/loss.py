@@ -156,7 +156,7 @@ def policy_loss(
     Args:
         logprobs: (B, T) log-probs of the sampled tokens under the current policy (carries the gradient).
         old_logprobs: (B, T) log-probs under the behaviour policy that sampled them (``TrajectoryBatch.old_logprobs``).
-        advantages: (B,) one per trajectory, or (B, T) one per token (:func:`~trl_multiturn.advantages.turn_advantages`).
+        advantages: (B,) one per trajectory, or (B, T) one per token (``trl_multiturn.advantages.turn_advantages``).
         mask: (B, T) 1 on tokens the policy sampled; every other position has no effect on loss or gradient.
         epsilon_low, epsilon_high: the clip range ``[1 - epsilon_low, 1 + epsilon_high]`` (TRL ``epsilon``,
             ``epsilon_high``; VeRL ``clip_ratio_low``, ``clip_ratio_high``).

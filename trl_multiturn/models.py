@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -222,24 +223,47 @@ def prepare_qlora_for_cpu(model):
     inference kernel that has no backward. Every later forward with gradients then goes through that layout too,
     and the LoRA gradients come out wrong, with only a PyTorch warning. GRPO does exactly this: it generates
     rollouts, then trains. This function turns the repacking off on every 4-bit layer
-    (`support_avx512bf16_for_cpu = False`) and undoes it where it already happened. It is a no-op for models
-    without bitsandbytes layers, and harmless on GPUs (the flag is read only for CPU inputs).
+    (`support_avx512bf16_for_cpu = False`). Call it right after loading the model. Where the repacking already
+    happened it is undone with a warning: the repacking rounds the block scales to bfloat16, so those weights stay
+    slightly changed. It is a no-op for models without bitsandbytes layers, and harmless on GPUs (the flag is read
+    only for CPU inputs).
     """
     try:
         import bitsandbytes as bnb
     except ImportError:
         return model
-    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
+    undone = 0
     for module in model.modules():
         if not isinstance(module, bnb.nn.Linear4bit):
             continue
         module.support_avx512bf16_for_cpu = False
-        weight = module.weight
-        state = getattr(weight, "quant_state", None)
+        state = getattr(module.weight, "quant_state", None)
         if state is not None and getattr(state, "packing_format_for_cpu", False):
-            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+            _unpack_for_autograd(module.weight, state)
+            undone += 1
+    if undone:
+        warnings.warn(
+            f"prepare_qlora_for_cpu: {undone} 4-bit layers had already been repacked for bitsandbytes' CPU inference "
+            "kernel by an earlier forward pass; they are unpacked again, but the repacking rounded their block "
+            "scales to bfloat16, so the weights differ slightly from the loaded ones. Call prepare_qlora_for_cpu "
+            "right after loading the model to keep them exact.",
+            stacklevel=2,
+        )
     return model
+
+
+def _unpack_for_autograd(weight, state) -> None:
+    """Undo bitsandbytes' CPU repacking of one 4-bit weight (layout of the codes and of the block scales)."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    nested = state.original_nested
+    weight.data, state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+    if not nested:
+        # bitsandbytes' inverse restores the codes but leaves the scales as the repacking stored them: transposed to
+        # (K / blocksize, N) and in bfloat16. The autograd path reads them as a flat (N * K / blocksize,) vector.
+        state.absmax = state.absmax.T.reshape(-1).to(torch.float32).contiguous()
+    weight.quant_state = state
 
 
 def cpu_has_avx512_bf16() -> bool:

@@ -230,6 +230,12 @@ class ChatToolProtocol(Protocol):
                 f"The tokenizer's chat template cannot render tool calls ({type(exc).__name__}: {exc}). Use a template "
                 "that can, e.g. tokenizer.chat_template = trl_multiturn.models.tool_chat_template()."
             ) from exc
+        if "probe" not in prefix:
+            raise ValueError(
+                "The tokenizer's chat template drops tool calls (an assistant message with tool_calls renders without "
+                "them), so it cannot express a tool action. Use a template with tools, e.g. "
+                "tokenizer.chat_template = trl_multiturn.models.tool_chat_template()."
+            )
         eos = tokenizer.eos_token
         cut = prefix.rfind(eos)
         if eos is None or cut < 0 or not full.startswith(prefix[: cut + len(eos)]) or marker not in full:

@@ -76,7 +76,15 @@ def load_qa_dataset(
     """
     import datasets
 
-    if isinstance(source, list):
+    if isinstance(source, list):  # normalized first: Arrow cannot hold a column mixing strings and lists
+        missing = [i for i, row in enumerate(source) if "question" not in row or answer_column not in row]
+        if missing:
+            raise ValueError(
+                f"QA row {missing[0]} lacks 'question' or the answer column {answer_column!r} "
+                f"(keys: {sorted(source[missing[0]])}); pass answer_column= the column holding the gold answers."
+            )
+        source = [normalize_qa_row(row, answer_column) for row in source]
+        answer_column = "golden_answers"
         ds = datasets.Dataset.from_list(source)
     elif isinstance(source, (str, os.PathLike)):
         ds = open_dataset(str(source), split=split, name=name)
@@ -232,6 +240,10 @@ class _NameMaker:
         raise RuntimeError("could not invent a new unique name after 10,000 draws; lower num_entities.")
 
 
+def _a(noun: str) -> str:
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
+
+
 def _build_world(
     rng: random.Random, names: _NameMaker, prefix: str, num_people: int
 ) -> tuple[list[_Entity], dict[str, list[_Entity]], list[Document]]:
@@ -274,8 +286,11 @@ def _build_world(
         used.add(full)
         p = _Entity("person", full)
         p.facts["birth_city"] = rng.choice(cities)
-        p.facts["moved_to"] = rng.choice([c for c in cities if c is not p.facts["birth_city"]])
         p.facts["employer"] = rng.choice(companies)
+        # the city a person moved to (named in both documents) is neither an answer about them nor a 2-hop shortcut
+        p.facts["moved_to"] = rng.choice(
+            [c for c in cities if c is not p.facts["birth_city"] and c is not p.facts["employer"].facts["company_hq"]]
+        )
         p.facts["previous_employer"] = rng.choice([k for k in companies if k is not p.facts["employer"]])
         p.facts["profession"] = rng.choice(_PROFESSIONS)
         p.facts["birth_year"] = rng.randrange(1900, 2000)
@@ -287,7 +302,7 @@ def _build_world(
     docs: list[Document] = []
 
     def add_doc(entity: _Entity, suffix: str, title: str, text: str, relations: tuple[str, ...]) -> None:
-        doc_id = f"{prefix}-{entity.kind}-{len(docs)}-{suffix}"
+        doc_id = f"{prefix}-{len(docs)}-{suffix}"  # provisional; build_offline_dataset renumbers
         docs.append(Document(id=doc_id, title=title, text=text))
         for r in relations:
             entity.doc_ids[r] = doc_id
@@ -295,13 +310,15 @@ def _build_world(
     for p in people:
         f, family = p.facts, p.name.split()[1]
         siblings = [o for o in by_family[family] if o is not p]
-        sibling = f" {p.name} has a relative, {siblings[0].name}, who is a {siblings[0].facts['profession']}." if siblings else ""
+        sibling = (
+            f" {p.name} has a relative, {siblings[0].name}, who is {_a(siblings[0].facts['profession'])}." if siblings else ""
+        )
         add_doc(p, "bio", p.name,
-                f"{p.name} (born {f['birth_year']}) is a {f['profession']} who was born in {f['birth_city'].name}. "
+                f"{p.name} (born {f['birth_year']}) is {_a(f['profession'])} who was born in {f['birth_city'].name}. "
                 f"{family} grew up in {f['birth_city'].name} and later moved to {f['moved_to'].name}.{sibling}",
                 ("birth_city",))
         add_doc(p, "career", f"{p.name} (career)",
-                f"{p.name} works for {f['employer'].name} as a {f['profession']}. Before that, {family} worked for "
+                f"{p.name} works for {f['employer'].name} as {_a(f['profession'])}. Before that, {family} worked for "
                 f"{f['previous_employer'].name} in {f['moved_to'].name}.",
                 ("employer",))
     for c in cities:
@@ -313,9 +330,11 @@ def _build_world(
                 ("city_country",))
     for k in companies:
         f = k.facts
+        staff = [p.name for p in people if p.facts["employer"] is k][:2]
+        staff_text = f" Its staff include {' and '.join(staff)}." if staff else ""
         add_doc(k, "company", k.name,
                 f"{k.name} is a company headquartered in the city of {f['company_hq'].name}. {k.name} was founded in "
-                f"{f['founded']} and makes {f['product']}. It also has an office in {f['office'].name}.",
+                f"{f['founded']} and makes {f['product']}. It also has an office in {f['office'].name}.{staff_text}",
                 ("company_hq",))
     for n in countries:
         f = n.facts
@@ -437,9 +456,13 @@ def build_offline_dataset(
         corpus.extend(docs)
         rows[split] = _questions(rng, kinds, split, qtypes)
         entity_names[split] = {e.name for group in kinds.values() for e in group}
+    # Interleave the worlds and renumber the documents, so neither position nor id tells a document's split.
     order = list(range(len(corpus)))
-    rng.shuffle(order)  # interleave the worlds so corpus position tells nothing about the split
-    corpus = [corpus[i] for i in order]
+    rng.shuffle(order)
+    new_ids = {corpus[i].id: f"kb-{j:05d}" for j, i in enumerate(order)}
+    corpus = [Document(id=new_ids[corpus[i].id], title=corpus[i].title, text=corpus[i].text) for i in order]
+    for row in rows["train"] + rows["test"]:
+        row["gold_doc_ids"] = [new_ids[d] for d in row["gold_doc_ids"]]
     return OfflineDataset(corpus, rows["train"], rows["test"], seed, num_entities, entity_names)
 
 

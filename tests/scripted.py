@@ -1,0 +1,81 @@
+"""Scripted policies for tests: a language model that writes a fixed script, and a generator that replays texts.
+
+``ScriptedLM`` is a real ``torch.nn.Module`` with the causal-LM call signature used by the generation loop. It
+puts all probability mass on the next token of a per-row script, chosen from the text it has generated since the
+last context it was given, so a test controls exactly what the "policy" writes while the real generation loop,
+stop strings and log-probs run unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trl_multiturn.generation import GenerationOutput
+
+
+@dataclass
+class _Out:
+    logits: torch.Tensor
+    cache: object = None
+
+    @property
+    def past_key_values(self):
+        return self.cache
+
+
+class ScriptedLM(torch.nn.Module):
+    """Writes ``turns[k]`` (token ids) at turn k of each row, then EOS. Records every context it was fed."""
+
+    def __init__(self, turns: list[list[int]], vocab_size: int, eos_token_id: int):
+        super().__init__()
+        self.turns = turns
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.contexts: list[list[int]] = []  # every prefilled context (padding removed), in order
+        self.turn_of_row: list[int] = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=True, logits_to_keep=0, **kw):
+        cache = kw.get("cache", kw.get("past_key_values"))
+        if cache is None:  # prefill: a new turn for every row
+            rows = []
+            for r in range(input_ids.size(0)):
+                ids = input_ids[r][attention_mask[r].bool()].tolist()
+                self.contexts.append(ids)
+                rows.append({"turn": sum(1 for c in self.contexts if c[: len(ids)] == ids[: len(c)]) - 1, "pos": 0})
+            cache = {"rows": rows}
+        else:
+            for row in cache["rows"]:
+                row["pos"] += 1
+        logits = torch.full((input_ids.size(0), 1, self.vocab_size), -1e4)
+        for r, row in enumerate(cache["rows"]):
+            script = self.turns[min(row["turn"], len(self.turns) - 1)]
+            token = script[row["pos"]] if row["pos"] < len(script) else self.eos_token_id
+            logits[r, 0, token] = 1e4
+        return _Out(logits=logits + 0 * self.dummy, cache=cache)
+
+
+class ReplayGenerator:
+    """A generation backend that replays fixed texts per turn (for environment and rollout tests)."""
+
+    def __init__(self, tokenizer, turns: list[str], finish_reason: str = "stop"):
+        self.tokenizer = tokenizer
+        self.turns = turns
+        self.finish_reason = finish_reason
+        self.calls = 0
+        self.contexts: list[list[list[int]]] = []
+
+    def generate(self, contexts, max_new_tokens, params):
+        self.contexts.append([list(c) for c in contexts])
+        text = self.turns[min(self.calls, len(self.turns) - 1)]
+        self.calls += 1
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        outs = []
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(contexts)
+        for limit in limits:
+            cut = ids[:limit]
+            reason = self.finish_reason if len(cut) == len(ids) else "length"
+            outs.append(GenerationOutput(ids=list(cut), logprobs=[-0.5] * len(cut), finish_reason=reason))
+        return outs

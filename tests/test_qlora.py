@@ -1,0 +1,162 @@
+"""QLoRA on CPU: LoRA gradients of a 4-bit model after `generate` equal LoRA gradients on its de-quantized weights.
+
+GRPO generates rollouts, then trains on them, in the same process. With bitsandbytes on a CPU with AVX512-BF16,
+the first forward without gradients in eval mode repacks every 4-bit weight for an inference kernel without a
+backward, and later LoRA gradients are silently wrong. `prepare_qlora_for_cpu` keeps the layers on the
+autograd-capable path (and undoes a repacking that already happened). The reference here is the same model in
+float32 whose linear weights are the de-quantized 4-bit weights, with the same LoRA initialisation: both compute
+the same function, so their gradients must agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from trl_multiturn.models import cpu_has_avx512_bf16, prepare_qlora_for_cpu  # noqa: E402
+
+PROMPT = "<|im_start|>user\nWho wrote Hamlet?<|im_end|>\n<|im_start|>assistant\n<search>Hamlet</search>"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def load_4bit(path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32, device_map="cpu")
+
+
+def dequantized_copy(path, quantized):
+    """The float32 model from `path` with each 4-bit layer's weight replaced by its de-quantized value."""
+    from bitsandbytes.functional import dequantize_4bit
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    modules = dict(model.named_modules())
+    count = 0
+    for name, module in quantized.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.float32)
+            modules[name].weight.data.copy_(weight)
+            count += 1
+    assert count > 0, "the quantized model has no 4-bit layers"
+    return model
+
+
+def with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, init_lora_weights=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the same LoRA initialisation for both models
+        return get_peft_model(model, config)
+
+
+def rollout_then_lora_grads(model, ids):
+    """What GRPO does: generate in eval mode without gradients, then a training forward and backward."""
+    model.eval()
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    model.train()
+    model.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def max_relative_error(actual, expected):
+    assert actual.keys() == expected.keys() and len(expected) > 0
+    return max(((actual[n] - expected[n]).abs().max() / expected[n].abs().max().clamp_min(1e-12)).item() for n in expected)
+
+
+def assert_grads_equal(actual, expected):
+    assert actual.keys() == expected.keys() and len(expected) > 0
+    for name in expected:
+        assert expected[name].abs().max() > 0, f"{name} has no gradient, the comparison would prove nothing"
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer):
+    from trl_multiturn.models import tiny_random_model
+
+    path = tmp_path_factory.mktemp("tiny_base")
+    # hidden 64: the 4-bit CPU layout packs output rows in blocks of 32, so every projection is at least that wide.
+    tiny_random_model(smollm2_tokenizer, hidden_size=64, num_layers=2, seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_checkpoint, smollm2_tokenizer):
+    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
+    reference = with_lora(dequantized_copy(tiny_checkpoint, load_4bit(tiny_checkpoint)))
+    return ids, rollout_then_lora_grads(reference, ids)
+
+
+def test_qlora_grads_after_generate_match_dequantized_lora(tiny_checkpoint, tiny_reference):
+    ids, expected = tiny_reference
+    model = with_lora(prepare_qlora_for_cpu(load_4bit(tiny_checkpoint)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the broken path only warns: make any such warning fail here
+        actual = rollout_then_lora_grads(model, ids)
+    assert_grads_equal(actual, expected)
+
+
+def test_prepare_undoes_a_repacking_that_already_happened(tiny_checkpoint, smollm2_tokenizer):
+    """Called late (after an eval forward repacked the weights), it restores the autograd layout. The repacking
+    rounded the block scales to bfloat16, so the reference is the de-quantized copy of the weights as they are now."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
+    model = load_4bit(tiny_checkpoint)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    loaded = {n: dequantize_4bit(m.weight.data, m.weight.quant_state).float() for n, m in layers.items()}
+    model.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(ids)  # repacks the 4-bit weights on CPUs with AVX512-BF16
+    repacked = any(m.weight.quant_state.packing_format_for_cpu for m in layers.values())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare_qlora_for_cpu(model)
+    assert any("already been repacked" in str(w.message) for w in caught) == repacked
+    for name, module in layers.items():
+        assert module.support_avx512bf16_for_cpu is False
+        assert not getattr(module.weight.quant_state, "packing_format_for_cpu", False)
+        now = dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+        # the same weights up to bfloat16 rounding of the scales (2**-8 relative), not a scrambled layout
+        torch.testing.assert_close(now, loaded[name], rtol=2**-8, atol=1e-6)
+    expected = rollout_then_lora_grads(with_lora(dequantized_copy(tiny_checkpoint, model)), ids)
+    assert_grads_equal(rollout_then_lora_grads(with_lora(model), ids), expected)
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU lacks AVX512-BF16, so bitsandbytes never repacks")
+def test_without_the_workaround_grads_are_wrong_on_this_cpu(tiny_checkpoint, tiny_reference):
+    """Shows that the test above guards a real failure: the same steps without `prepare_qlora_for_cpu`."""
+    ids, expected = tiny_reference
+    model = with_lora(load_4bit(tiny_checkpoint))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actual = rollout_then_lora_grads(model, ids)
+    packed = [m.weight.quant_state.packing_format_for_cpu for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert packed and all(packed)
+    assert max_relative_error(actual, expected) > 0.05
+
+
+def test_prepare_is_a_no_op_without_4bit_layers(tiny_model_factory):
+    model = tiny_model_factory()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert prepare_qlora_for_cpu(model) is model
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.slow
+def test_smollm2_qlora_grads_after_generate_match_dequantized_lora(smollm2_dir, smollm2_tokenizer):
+    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
+    quantized = prepare_qlora_for_cpu(load_4bit(smollm2_dir))  # loading in 4 bits takes ~10 s: do it once
+    expected = rollout_then_lora_grads(with_lora(dequantized_copy(smollm2_dir, quantized)), ids)
+    actual = rollout_then_lora_grads(with_lora(quantized), ids)
+    assert_grads_equal(actual, expected)

@@ -1,0 +1,325 @@
+"""MultiTurnGRPOTrainer through its real entry point (``trainer.train()``) on a tiny random model.
+
+The tiny model writes random text, so every turn is an invalid action answered by the environment's feedback:
+trajectories are genuinely multi-turn (actions with mask 1, feedback observations with mask 0) and the reward
+(a text statistic of the sampled turns) varies inside each group, so advantages and gradients are not zero.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+from trl_multiturn.environment import Step
+from trl_multiturn.loss import policy_loss
+from trl_multiturn.protocols import ChatToolProtocol, TagProtocol
+
+
+class FeedbackEnv:
+    """Every action gets feedback; the episode ends only on a limit. Rewards come from `vowel_reward`."""
+
+    required_columns = ("q",)
+
+    def reset(self, example):
+        return f"Question: {example['q']}"
+
+    def step(self, action):
+        return Step(observation="Invalid. Answer inside answer tags.")
+
+
+def vowel_reward(completions, num_turns, **kwargs):
+    """Fraction of vowels in the completion text (varies between samples of a random model)."""
+    return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+
+
+def make_args(tmp_path, **overrides):
+    kw = dict(
+        output_dir=str(tmp_path / "out"),
+        num_generations=4,
+        prompts_per_rollout=2,
+        mini_batch_size=8,
+        micro_batch_size=4,
+        max_completion_length=48,
+        max_tokens_per_turn=12,
+        max_turns=3,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=5e-3,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+    )
+    kw.update(overrides)
+    return MultiTurnGRPOConfig(**kw)
+
+
+def dataset(n=8):
+    return Dataset.from_dict({"q": [f"question {i}" for i in range(n)]})
+
+
+class Recorder:
+    """Keeps every trajectory and every scored batch the trainer produced."""
+
+    def __init__(self, trainer):
+        self.trajectories, self.batches = [], []
+        run, score = trainer.rollout.run, trainer._generate_and_score_completions
+
+        def run_and_keep(*a, **k):
+            out = run(*a, **k)
+            self.trajectories.append(out)
+            return out
+
+        def score_and_keep(*a, **k):
+            out = score(*a, **k)
+            self.batches.append(out)
+            return out
+
+        trainer.rollout.run = run_and_keep
+        trainer._generate_and_score_completions = score_and_keep
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def test_one_minibatch_per_rollout_pg_loss_zero_and_model_learns(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    model = tiny_model_factory()
+    before = copy.deepcopy(model.state_dict())
+    trainer = MultiTurnGRPOTrainer(
+        model=model, args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    rec = Recorder(trainer)
+    trainer.train()
+    # one mini-batch per rollout, one epoch: ratio = 1 and zero-mean advantages -> pg_loss = 0 at every step ...
+    pg = logged(trainer, "loss/pg_loss")
+    assert len(pg) == 2 and all(abs(x) < 1e-6 for x in pg), pg
+    assert logged(trainer, "loss/ratio_mean") == pytest.approx([1.0, 1.0], abs=1e-6)
+    # ... while the gradient is not zero and the parameters move
+    assert all(g > 0 for g in logged(trainer, "grad_norm"))
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed
+    # masks: every sampled token has mask 1, every inserted token mask 0, turns > 1
+    for trajs, batch in zip(rec.trajectories, rec.batches):
+        mask = batch["tool_mask"] * batch["completion_mask"]
+        for row, t in enumerate(trajs):
+            n = len(t.completion_ids)
+            assert batch["completion_ids"][row, :n].tolist() == t.completion_ids
+            assert mask[row, :n].tolist() == t.action_mask
+            assert mask[row, n:].sum() == 0  # padding never carries loss
+            assert t.num_turns > 1 and t.num_observation_tokens > 0
+            obs = smollm2_tokenizer.decode([i for i, m in zip(t.completion_ids, t.action_mask) if m == 0])
+            assert obs.count("Invalid. Answer inside answer tags.") == t.num_turns - (1 if t.truncated else 0) or obs
+    assert logged(trainer, "rollout/turns_mean")[0] > 1
+    assert logged(trainer, "rollout/observation_tokens_mean")[0] > 0
+
+
+class SnapshotAfterFirstStep(TrainerCallback):
+    def __init__(self, model):
+        self.model, self.state = model, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.state = copy.deepcopy(self.model.state_dict())
+
+
+def test_logged_pg_loss_equals_recomputed_two_minibatches(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    model = tiny_model_factory()
+    args = make_args(tmp_path, mini_batch_size=4, micro_batch_size=2)  # 2 optimizer steps of 2 micro-batches
+    assert (args.gradient_accumulation_steps, args.steps_per_generation) == (2, 4)
+    trainer = MultiTurnGRPOTrainer(
+        model=model, args=args, train_dataset=dataset(), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    snap = SnapshotAfterFirstStep(model)
+    trainer.add_callback(snap)
+    trainer.train()
+    pg = logged(trainer, "loss/pg_loss")
+    assert abs(pg[0]) < 1e-6  # first mini-batch: whole group, ratio 1
+    # recompute mini-batch 2 (micro-batches 2 and 3 of the rollout) with the weights after step 1
+    chunks = trainer._buffered_inputs[2:4]
+    batch = {k: torch.cat([c[k] for c in chunks]) for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                              "completion_mask", "tool_mask", "advantages",
+                                                              "old_per_token_logps")}
+    replica = tiny_model_factory()  # a fresh module: the trainer patched the forward of `model` in place
+    replica.load_state_dict(snap.state)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = replica(input_ids=ids, attention_mask=att).logits[:, :-1].float() / args.temperature
+    c = batch["completion_ids"].size(1)
+    logps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0][:, -c:]
+    expected, stats = policy_loss(
+        logps, batch["old_per_token_logps"], batch["advantages"], batch["completion_mask"] * batch["tool_mask"]
+    )
+    assert pg[1] == pytest.approx(float(expected), abs=1e-5)
+    assert abs(pg[1]) > 1e-7  # off-policy after one update: no longer zero
+    assert logged(trainer, "loss/ratio_max")[1] == pytest.approx(float(stats["ratio_max"]), abs=1e-4)
+
+
+def test_groups_stay_whole_in_minibatches(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    args = make_args(tmp_path, mini_batch_size=4, micro_batch_size=2, max_steps=2)
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=args, train_dataset=dataset(), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    trainer.train()
+    for mb in range(2):
+        chunks = trainer._buffered_inputs[2 * mb : 2 * mb + 2]
+        prompts = torch.cat([c["prompt_ids"] for c in chunks])
+        assert all(torch.equal(prompts[0], p) for p in prompts)  # one whole group of 4 per mini-batch
+        adv = torch.cat([c["advantages"] for c in chunks])
+        assert float(adv.sum()) == pytest.approx(0.0, abs=1e-5)
+        assert float(chunks[0]["mb_num_sequences"]) == 4
+
+
+@pytest.mark.parametrize("mode", ["mt-grpo", "discounted"])
+def test_turn_level_advantages_train(tmp_path, smollm2_tokenizer, tiny_model_factory, mode):
+    class TurnRewardEnv(FeedbackEnv):
+        def reset(self, example):
+            self.turn = 0
+            return super().reset(example)
+
+        def step(self, action):
+            self.turn += 1
+            return Step(observation="Invalid.", reward=float(len(action.text) % 3 == self.turn % 3))
+
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=make_args(tmp_path, max_steps=1, turn_advantage=mode),
+        train_dataset=dataset(), environment_factory=TurnRewardEnv, processing_class=smollm2_tokenizer,
+    )
+    rec = Recorder(trainer)
+    trainer.train()
+    adv = rec.batches[0]["advantages"]
+    mask = rec.batches[0]["tool_mask"] * rec.batches[0]["completion_mask"]
+    assert adv.dim() == 2 and adv.shape == mask.shape
+    assert torch.all(adv[mask == 0] == 0)  # observation and padding tokens get no advantage
+    assert logged(trainer, "grad_norm")[0] > 0
+
+
+class SometimesFailingEnv(FeedbackEnv):
+    created = 0
+
+    def reset(self, example):
+        SometimesFailingEnv.created += 1
+        self.fail = SometimesFailingEnv.created % 3 == 0  # every third trajectory's tool backend is down
+        return super().reset(example)
+
+    def step(self, action):
+        if self.fail:
+            raise RuntimeError("tool backend down")
+        return super().step(action)
+
+
+def test_environment_failures_are_recorded_and_training_continues(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=make_args(tmp_path), train_dataset=dataset(),
+        environment_factory=SometimesFailingEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    rec = Recorder(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    failed = logged(trainer, "env/failed_frac")
+    assert any(f > 0 for f in failed)
+    for trajs, batch in zip(rec.trajectories, rec.batches):
+        for row, t in enumerate(trajs):
+            if t.info.get("failed"):
+                assert math.isnan(t.reward)
+                assert float((batch["tool_mask"][row]).sum()) == 0  # dropped from the loss
+                assert "tool backend down" in t.info["env_errors"][0]
+
+
+def test_lora_and_ppo_epochs(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    from peft import LoraConfig
+
+    args = make_args(tmp_path, ppo_epochs=2, max_steps=2)
+    assert args.num_iterations == 2
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=args, train_dataset=dataset(), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    lora_before = {k: v.clone() for k, v in trainer.model.named_parameters() if "lora_B" in k}
+    rec = Recorder(trainer)
+    trainer.train()
+    assert len(rec.batches) == 1  # the second epoch reuses the rollout (old log-probs computed once)
+    assert "old_per_token_logps" in rec.batches[0]
+    pg = logged(trainer, "loss/pg_loss")
+    assert abs(pg[0]) < 1e-6 and abs(pg[1]) > 0  # epoch 2 is off-policy
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(v, after[k]) for k, v in lora_before.items())
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+def test_bad_input_is_rejected_at_construction(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    model = tiny_model_factory()
+    with pytest.raises(ValueError, match=r"lacks the column\(s\) \['q'\]"):
+        MultiTurnGRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=Dataset.from_dict({"x": [1] * 8}),
+                             environment_factory=FeedbackEnv, processing_class=smollm2_tokenizer)
+    with pytest.raises(ValueError, match="tool"):
+        MultiTurnGRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=dataset(),
+                             environment_factory=FeedbackEnv, protocol=ChatToolProtocol(),
+                             processing_class=smollm2_tokenizer)
+
+    class NoStops(TagProtocol):
+        stop_strings = ()
+
+        def __init__(self):
+            super().__init__()
+            self.stop_strings = ()
+
+    with pytest.raises(ValueError, match="no stop strings"):
+        MultiTurnGRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=dataset(),
+                             environment_factory=FeedbackEnv, protocol=NoStops(), processing_class=smollm2_tokenizer)
+    with pytest.raises(ValueError, match="environment_factory"):
+        MultiTurnGRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=dataset(),
+                             processing_class=smollm2_tokenizer)
+
+
+def test_bad_config_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match="max_turns"):
+        make_args(tmp_path, max_turns=0)
+    with pytest.raises(ValueError, match="loss"):
+        make_args(tmp_path, loss_aggregation="seq-mean")
+    with pytest.raises(ValueError, match="turn_advantage"):
+        make_args(tmp_path, turn_advantage="gae")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        MultiTurnGRPOConfig(output_dir=str(tmp_path), prompts_per_rollout=2, mini_batch_size=8, report_to="none")
+    with pytest.raises(ValueError, match="mini_batch_size"):
+        make_args(tmp_path, mini_batch_size=6)
+
+
+def test_trl_private_seams_are_still_there():
+    """The methods this trainer extends: if TRL renames or reshapes them, this fails before users do."""
+    import inspect
+
+    import trl
+    from packaging.version import Version
+    from trl import GRPOTrainer
+
+    assert Version("1.16") <= Version(trl.__version__) < Version("1.17"), trl.__version__
+    params = lambda name: list(inspect.signature(getattr(GRPOTrainer, name)).parameters)  # noqa: E731
+    assert params("_generate_and_score_completions") == ["self", "inputs"]
+    assert params("_calculate_rewards") == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
+    assert params("_prepare_inputs") == ["self", "generation_batch"]
+    assert params("_get_per_token_logps_and_entropies")[:5] == [
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+    assert "rollout_func" in inspect.signature(GRPOTrainer.__init__).parameters
+    assert GRPOTrainer.loss_is_scaled_for_ga is True  # our compute_loss returns the accumulated-step share
+
+
+@pytest.mark.slow
+def test_smollm2_one_step(tmp_path, smollm2_dir, smollm2_tokenizer):
+    args = make_args(tmp_path, max_steps=1, num_generations=2, prompts_per_rollout=1, mini_batch_size=2,
+                     micro_batch_size=2, max_completion_length=40, max_tokens_per_turn=16, max_turns=2)
+    trainer = MultiTurnGRPOTrainer(
+        model=str(smollm2_dir), args=args, train_dataset=dataset(2), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward],
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert logged(trainer, "rollout/assistant_tokens_mean")[0] > 0
