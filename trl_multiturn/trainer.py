@@ -275,7 +275,15 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         if args.turn_advantage == "trajectory":
             advantages = seq_adv[local].to(device)  # (B_local,)
         else:
-            all_turn_rewards = _gather_list(self.accelerator, [list(t.turn_rewards) for t in trajs])
+            # Outcome = the reward functions only: the environment's per-turn rewards enter as turn rewards.
+            outcome = (rpf[:, :-1] * weights[:-1].unsqueeze(0)).nansum(dim=1)  # (B_global,)
+            outcome[dropped] = float("nan")
+            all_turn_rewards = _gather_list(
+                self.accelerator, [[r if math.isfinite(r) else 0.0 for r in t.turn_rewards] for t in trajs]
+            )
+            all_turn_rewards = [
+                [0.0] * len(tr) if d else tr for tr, d in zip(all_turn_rewards, dropped.tolist())
+            ]
             width = output["completion_ids"].size(1)
             all_turn_ids = _gather_list(self.accelerator, [t.turn_ids for t in trajs])
             all_masks = _gather_list(self.accelerator, [t.action_mask for t in trajs])
@@ -284,7 +292,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             for i, (tid, m) in enumerate(zip(all_turn_ids, all_masks)):
                 turn_ids[i, : len(tid)] = torch.tensor(tid, dtype=torch.long)
                 action_mask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
-            filled = torch.where(dropped.cpu(), _group_nanmean(safe.cpu(), group_size), safe.cpu())
+            filled = torch.where(dropped.cpu(), _group_nanmean(outcome.cpu(), group_size), outcome.cpu())
             tok_adv = turn_advantages(
                 args.turn_advantage,
                 filled,
