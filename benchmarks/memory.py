@@ -1,6 +1,6 @@
 """Peak memory of one training step: full fine-tuning, LoRA and QLoRA; measured on CPU, estimated for GPUs.
 
-    python benchmarks/memory.py measure     # SmolLM2-135M-Instruct on CPU, one fresh process per method (~2 min)
+    python benchmarks/memory.py measure     # SmolLM2-135M-Instruct on CPU, one fresh process per method (a few minutes)
     python benchmarks/memory.py estimate    # Qwen2.5-3B / 7B on one GPU, computed from the architecture
 
 `measure` runs each method in its own process and reads the kernel's resident-set high-water mark (`VmHWM`, reset
@@ -157,6 +157,21 @@ def _reset_peak() -> None:
         handle.write("5")
 
 
+def _materialize(model) -> None:
+    """Copy weights that still live in the memory-mapped checkpoint into process memory, and drop the mapping.
+
+    Transformers loads safetensors through mmap: untouched weights are not resident, touched ones are counted as
+    file pages until the mapping goes. Copying makes "loaded" mean what it means on a GPU: the weights are held.
+    4-bit weights were created by quantization and are already in process memory.
+    """
+    import gc
+
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if type(tensor).__name__ != "Params4bit":
+            tensor.data = tensor.data.clone()
+    gc.collect()
+
+
 def measure_one(method: str, batch: int, seq_len: int, lora_r: int) -> dict:
     """One training step of SmolLM2-135M-Instruct with `method`, in this process; memory in MiB."""
     import torch
@@ -175,6 +190,7 @@ def measure_one(method: str, batch: int, seq_len: int, lora_r: int) -> dict:
         prepare_qlora_for_cpu(model)
     else:
         model, _ = load_smollm2(dtype=torch.float32)
+    _materialize(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if method in ("lora", "qlora"):
@@ -221,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     m = sub.add_parser("measure", help="measure SmolLM2-135M on CPU, one process per method")
     m.add_argument("--methods", nargs="+", default=["full", "lora", "qlora"], choices=["full", "lora", "qlora"])
     m.add_argument("--batch", type=int, default=1)
-    m.add_argument("--seq-len", type=int, default=1024)
+    m.add_argument("--seq-len", type=int, default=512)
     m.add_argument("--lora-r", type=int, default=16)
     m.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one method in this process, print JSON
     e = sub.add_parser("estimate", help="estimate Qwen2.5-3B and 7B on one GPU")

@@ -118,6 +118,25 @@ def test_one_minibatch_per_rollout_pg_loss_zero_and_model_learns(tmp_path, smoll
     assert logged(trainer, "rollout/observation_tokens_mean")[0] > 0
 
 
+def merge_chunks(chunks):
+    """Concatenate micro-batches that were trimmed to different widths (prompts left-, completions right-padded)."""
+    p_w = max(c["prompt_ids"].size(1) for c in chunks)
+    c_w = max(c["completion_ids"].size(1) for c in chunks)
+    out = {}
+    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", "advantages",
+                "old_per_token_logps"):
+        parts = []
+        for c in chunks:
+            v = c[key]
+            if key.startswith("prompt"):
+                v = torch.nn.functional.pad(v, (p_w - v.size(1), 0))
+            elif v.dim() == 2:
+                v = torch.nn.functional.pad(v, (0, c_w - v.size(1)))
+            parts.append(v)
+        out[key] = torch.cat(parts)
+    return out
+
+
 class SnapshotAfterFirstStep(TrainerCallback):
     def __init__(self, model):
         self.model, self.state = model, None
@@ -141,10 +160,7 @@ def test_logged_pg_loss_equals_recomputed_two_minibatches(tmp_path, smollm2_toke
     pg = logged(trainer, "loss/pg_loss")
     assert abs(pg[0]) < 1e-6  # first mini-batch: whole group, ratio 1
     # recompute mini-batch 2 (micro-batches 2 and 3 of the rollout) with the weights after step 1
-    chunks = trainer._buffered_inputs[2:4]
-    batch = {k: torch.cat([c[k] for c in chunks]) for k in ("prompt_ids", "prompt_mask", "completion_ids",
-                                                              "completion_mask", "tool_mask", "advantages",
-                                                              "old_per_token_logps")}
+    batch = merge_chunks(trainer._buffered_inputs[2:4])
     replica = tiny_model_factory()  # a fresh module: the trainer patched the forward of `model` in place
     replica.load_state_dict(snap.state)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -323,3 +339,29 @@ def test_smollm2_one_step(tmp_path, smollm2_dir, smollm2_tokenizer):
     trainer.train()
     assert trainer.state.global_step == 1
     assert logged(trainer, "rollout/assistant_tokens_mean")[0] > 0
+
+
+class VariableLengthEnv(FeedbackEnv):
+    """Ends an episode when the sampled text says so (a hash of it), so lengths differ inside a group."""
+
+    def step(self, action):
+        return Step(observation="Invalid.", done=sum(map(ord, action.text)) % 3 == 0)
+
+
+def test_balanced_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    """Same seed, same rollouts: balanced + trimmed micro-batches give the same losses and gradients as plain
+    fixed-size splitting, while computing fewer padding tokens."""
+    runs = {}
+    for balance in (False, True):
+        args = make_args(tmp_path / str(balance), mini_batch_size=8, micro_batch_size=2, max_steps=2,
+                         balance_micro_batches=balance, max_turns=3)
+        trainer = MultiTurnGRPOTrainer(
+            model=tiny_model_factory(), args=args, train_dataset=dataset(), environment_factory=VariableLengthEnv,
+            reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+        )
+        trainer.train()
+        runs[balance] = trainer
+    for key in ("loss/pg_loss", "grad_norm", "reward"):
+        assert logged(runs[True], key) == pytest.approx(logged(runs[False], key), abs=1e-5, rel=1e-4), key
+    plain, balanced = logged(runs[False], "perf/useful_token_frac"), logged(runs[True], "perf/useful_token_frac")
+    assert all(b > p for b, p in zip(balanced, plain)), (balanced, plain)

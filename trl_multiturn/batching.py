@@ -177,3 +177,35 @@ class BatchPlan:
             lines.append(f"note: mini_batch_size={mini} is not a multiple of num_generations={G}; groups are split "
                          "across optimizer steps")
         return "\n".join(lines)
+
+
+def balanced_partition(lengths: list[int], num_parts: int) -> list[list[int]]:
+    """Deal rows into ``num_parts`` micro-batches of balanced token counts (VeRL's dynamic batch size, fixed count).
+
+    Rows are taken longest first and each goes to the part with the fewest tokens so far (ties: fewest rows), so
+    rows of similar length share a micro-batch and each part can be padded only to its own longest row. Every part
+    gets at least one row when ``len(lengths) >= num_parts``. Returns row indices per part, each sorted.
+
+    Example: lengths [10, 9, 2, 1] into 2 parts -> [[0, 3], [1, 2]] (11 and 11 tokens).
+    """
+    if num_parts < 1:
+        raise ValueError(f"balanced_partition needs num_parts >= 1; got {num_parts}.")
+    if len(lengths) < num_parts:
+        raise ValueError(
+            f"Cannot split {len(lengths)} rows into {num_parts} non-empty micro-batches; lower "
+            "gradient_accumulation_steps or raise the mini-batch size."
+        )
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    loads = [0] * num_parts
+    remaining = len(order)
+    for i in order:
+        empty = [p for p in range(num_parts) if not parts[p]]
+        if empty and remaining <= len(empty):
+            target = empty[0]  # keep enough rows for the parts that are still empty
+        else:
+            target = min(range(num_parts), key=lambda p: (loads[p], len(parts[p]), p))
+        parts[target].append(i)
+        loads[target] += lengths[i]
+        remaining -= 1
+    return [sorted(p) for p in parts]

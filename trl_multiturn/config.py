@@ -96,6 +96,16 @@ class MultiTurnGRPOConfig(GRPOConfig):
         default=1e-6, metadata={"help": "Epsilon in (r - mean_G) / (std_G + eps), as VeRL."}
     )
 
+    balance_micro_batches: bool = field(
+        default=True,
+        metadata={
+            "help": "Within each mini-batch, deal trajectories into the gradient-accumulation micro-batches by "
+            "balanced token counts (longest first) and pad each micro-batch only to its own longest row, like "
+            "VeRL's use_dynamic_bsz with a fixed micro-batch count. The loss is unchanged (mini-batch-global "
+            "normalizers); less padding is computed."
+        },
+    )
+
     # > Parameters that control the batch plan
     prompts_per_rollout: int | None = field(
         default=None,

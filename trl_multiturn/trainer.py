@@ -32,6 +32,7 @@ from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import split_tensor_dict
 
 from .advantages import group_advantages, turn_advantages
+from .batching import balanced_partition
 from .config import MultiTurnGRPOConfig
 from .generation import SamplingParams, TransformersGenerator
 from .loss import aggregate_loss, kl_penalty, loss_normalizers, policy_loss
@@ -368,10 +369,20 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
             batch = _shuffle_groups(batch, self.num_generations)
-            chunks = split_tensor_dict(batch, steps)
+            if self.args.balance_micro_batches:
+                chunks = _balanced_micro_batches(batch, steps, self.args.gradient_accumulation_steps)
+            else:
+                chunks = split_tensor_dict(batch, steps)
             self._attach_normalizers(chunks)
+            self._log_padding(chunks)
             self._buffered_inputs = chunks
         return self._buffered_inputs[self._step % steps]
+
+    def _log_padding(self, chunks: list[dict]) -> None:
+        """perf/useful_token_frac = real tokens / tokens processed (padding included) over the rollout's micro-batches."""
+        real = sum(float(c["prompt_mask"].sum() + c["completion_mask"].sum()) for c in chunks)
+        processed = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in chunks)
+        self._metrics["train"]["perf/useful_token_frac"].append(real / max(processed, 1))
 
     def _attach_normalizers(self, chunks: list[dict]) -> None:
         """Give each micro-batch the (sequence, token) counts of its whole mini-batch over all ranks."""
@@ -506,6 +517,52 @@ def _nan_aware_group_advantages(rewards: torch.Tensor, group_size: int, scale: s
         vals = rewards[sl][keep]
         out[sl][keep] = group_advantages(vals, n, scale=scale, eps=eps)
     return out
+
+
+def _rows(value, index: list[int]):
+    if isinstance(value, torch.Tensor):
+        return value[torch.tensor(index, dtype=torch.long, device=value.device)]
+    return [value[i] for i in index]
+
+
+def _balanced_micro_batches(batch: dict, steps: int, accum: int) -> list[dict]:
+    """Cut the rollout into ``steps`` micro-batches: consecutive mini-batches of equal size (whole groups kept by the
+    shuffle), each dealt into ``accum`` micro-batches of balanced token counts and trimmed to their own padding.
+
+    Trimming is exact: prompts are left-padded and completions right-padded, so dropping all-padding columns changes
+    no logit of a real token. Per-token tensors (B, C) are trimmed with the completions.
+    """
+    n = batch["prompt_ids"].size(0)
+    if n % steps != 0:
+        raise ValueError(f"internal: rollout of {n} rows is not divisible into {steps} micro-batches")
+    per_mini = n // (steps // accum)
+    prompt_len = batch["prompt_mask"].sum(1)  # (B,)
+    completion_len = batch["completion_mask"].sum(1)  # (B,)
+    width = batch["completion_ids"].size(1)
+    chunks = []
+    for start in range(0, n, per_mini):
+        rows = list(range(start, start + per_mini))
+        lengths = [int(prompt_len[r] + completion_len[r]) for r in rows]
+        for part in balanced_partition(lengths, accum):
+            index = [rows[i] for i in part]
+            chunk = {}
+            p_w = int(prompt_len[index].max())
+            c_w = max(int(completion_len[index].max()), 1)
+            for key, value in batch.items():
+                if isinstance(value, torch.Tensor) and value.ndim == 0 or value is None:
+                    chunk[key] = value
+                    continue
+                if not isinstance(value, (torch.Tensor, list)) or len(value) != n:
+                    chunk[key] = value
+                    continue
+                v = _rows(value, index)
+                if isinstance(v, torch.Tensor) and key in ("prompt_ids", "prompt_mask"):
+                    v = v[:, v.size(1) - p_w :]
+                elif isinstance(v, torch.Tensor) and v.ndim == 2 and v.size(1) == width:
+                    v = v[:, :c_w]
+                chunk[key] = v
+            chunks.append(chunk)
+    return chunks
 
 
 def _shuffle_groups(batch: dict, group_size: int) -> dict:

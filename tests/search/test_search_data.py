@@ -25,8 +25,16 @@ def test_sizes_and_columns(kb):
     # 80 people -> 64 train / 16 test; per world: people x 4 questions + cities + 2 x companies + countries
     assert len(kb.train_rows) == 64 * 4 + 16 + 2 * 16 + 4
     assert len(kb.test_rows) == 16 * 4 + 4 + 2 * 4 + 2
-    assert set(kb.train.column_names) == {"id", "question", "golden_answers", "hops", "qtype", "subject", "bridge",
-                                          "gold_doc_ids"}
+    assert set(kb.train.column_names) == {
+        "id",
+        "question",
+        "golden_answers",
+        "hops",
+        "qtype",
+        "subject",
+        "bridge",
+        "gold_doc_ids",
+    }
     hops = Counter(r["hops"] for r in kb.train_rows + kb.test_rows)
     assert set(hops) == {1, 2} and min(hops.values()) > 100
     assert len({r["id"] for r in kb.train_rows + kb.test_rows}) == len(kb.train_rows) + len(kb.test_rows)

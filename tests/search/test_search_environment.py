@@ -20,8 +20,12 @@ from trl_multiturn.search.retrievers import RetrievalError
 # Any complete action a tag protocol would act on: an opening tag, content, and the matching closing tag.
 PARSABLE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
-ROW = {"id": "q1", "question": "In which city was Zorvek Talamir born", "golden_answers": ["Quellport"],
-       "gold_doc_ids": ["d2"]}
+ROW = {
+    "id": "q1",
+    "question": "In which city was Zorvek Talamir born",
+    "golden_answers": ["Quellport"],
+    "gold_doc_ids": ["d2"],
+}
 
 
 def search(q):

@@ -237,10 +237,12 @@ def test_environments_in_threads_share_one_client(kb, kb_bm25, server_factory):
     for env, row in zip(envs, rows):
         env.reset(row)
     with ThreadPoolExecutor(max_workers=len(rows)) as pool:
-        steps = list(pool.map(
-            lambda pair: pair[0].step(Action(kind="tool", name="search", arguments={"query": pair[1]["question"]})),
-            zip(envs, rows),
-        ))
+        steps = list(
+            pool.map(
+                lambda pair: pair[0].step(Action(kind="tool", name="search", arguments={"query": pair[1]["question"]})),
+                zip(envs, rows),
+            )
+        )
     for step, row in zip(steps, rows):
         assert step.info["doc_ids"] == [d.id for d in kb_bm25.retrieve([row["question"]], 3)[0]]
     assert len(counting.batches) < len(rows)  # merged: fewer requests than searches

@@ -65,7 +65,7 @@ def test_extract_answer_takes_the_last():
 
 VALID = [
     "<think>I know it.</think><answer>Paris</answer>",
-    "<think>a</think>\n<search>q</search>\n\n<information>Doc 1(Title: \"x\") y</information>\n\n"
+    '<think>a</think>\n<search>q</search>\n\n<information>Doc 1(Title: "x") y</information>\n\n'
     "<think>b</think>\n<search>q2</search><information>z</information><think>c</think>\n<answer>Paris</answer>\n",
 ]
 INVALID = [
@@ -103,7 +103,7 @@ def test_trl_reward_functions_with_messages():
     conversational = [
         [
             {"role": "assistant", "content": "<think>a</think><search>q</search>"},
-            {"role": "tool", "content": "Doc 1(Title: \"x\") Paris is the capital."},
+            {"role": "tool", "content": 'Doc 1(Title: "x") Paris is the capital.'},
             {"role": "assistant", "content": [{"type": "text", "text": "<think>b</think><answer>Paris</answer>"}]},
         ],
         [{"role": "assistant", "content": "<answer>Rome</answer>"}],

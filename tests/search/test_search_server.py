@@ -103,7 +103,7 @@ def test_wrong_paths_methods_and_headers(small_bm25, server_factory):
 
 def test_stalled_body_times_out_with_408(small_bm25, server_factory):
     _, url = server_factory(small_bm25, dataclasses.replace(LIMITS, request_timeout_s=0.5))
-    reply, seconds = raw_exchange(url, b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"q")
+    reply, seconds = raw_exchange(url, b'POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"q')
     assert reply.startswith("HTTP/1.1 408") and "did not arrive" in reply and seconds < 8
     assert "Traceback" not in reply
 
@@ -135,14 +135,16 @@ def test_command_line_serves_a_corpus(tmp_path):
     from trl_multiturn.search.corpus import write_corpus_jsonl
     from trl_multiturn.search.retrievers import Document
 
-    corpus = write_corpus_jsonl([Document("1", "Quellport", "A harbour city."), Document("2", "Selo", "A river.")],
-                                tmp_path / "c.jsonl")
+    corpus = write_corpus_jsonl(
+        [Document("1", "Quellport", "A harbour city."), Document("2", "Selo", "A river.")], tmp_path / "c.jsonl"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "trl_multiturn.search.server", "--corpus", str(corpus), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 20

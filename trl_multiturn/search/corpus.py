@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .retrievers import Document
 
@@ -44,7 +45,7 @@ def document_from_row(row: Mapping[str, Any], index: int = 0) -> Document:
     else:
         raise ValueError(
             f"corpus row {index} has neither 'contents' nor 'text' (keys: {sorted(row)}); "
-            "expected Search-R1's format {\"id\": ..., \"contents\": \"\\\"Title\\\"\\ntext\"}."
+            'expected Search-R1\'s format {"id": ..., "contents": "\\"Title\\"\\ntext"}.'
         )
     return Document(id=doc_id, title=title, text=text)
 
@@ -143,7 +144,9 @@ def open_dataset(source: str, split: str = "train", name: str | None = None) -> 
             raise ValueError(f"cannot tell the format of {source}; use a .jsonl, .json, .parquet or .csv file.")
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     if not path.exists() and source.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"{source} does not exist; give a data file, a dataset directory or a Hub dataset name.")
+        raise FileNotFoundError(
+            f"{source} does not exist; give a data file, a dataset directory or a Hub dataset name."
+        )
     return datasets.load_dataset(source, name=name, split=split)
 
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .corpus import open_dataset, write_corpus_jsonl
 from .retrievers import Document
@@ -123,18 +124,22 @@ def write_jsonl(rows: Iterable[dict[str, Any]], path: str | os.PathLike) -> Path
 # ---------------------------------------------------------------------------------------------------------------
 # The fictional knowledge base
 # ---------------------------------------------------------------------------------------------------------------
-_ONSETS = ["b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kr", "st",
-           "tr", "th", "sk", "qu", "j"]
-_VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou"]
-_CODAS = ["", "", "", "", "n", "r", "l", "s", "k", "m", "v", "x"]
-_CITY_SUFFIXES = ["port", "holm", "vale", "grad", "mere", "stead", "ford", "wick", "burg", "haven", "moor", "gate"]
-_COUNTRY_SUFFIXES = ["ia", "land", "ar", "istan", "ovia", "enne"]
-_COMPANY_KINDS = ["Systems", "Industries", "Foods", "Mining", "Textiles", "Labs", "Shipping", "Motors", "Optics",
-                  "Publishing", "Ceramics", "Robotics"]
-_PRODUCTS = ["glass lenses", "river barges", "wool cloth", "tin cans", "clock parts", "paper maps", "copper wire",
-             "salt crackers", "bicycle frames", "ceramic tiles", "weather balloons", "printing ink"]
-_PROFESSIONS = ["surveyor", "glassblower", "cartographer", "botanist", "engineer", "violinist", "archivist",
-                "chemist", "architect", "linguist", "beekeeper", "clockmaker", "geologist", "translator"]
+_ONSETS = "b d f g h k l m n p r s t v z br dr gr kr st tr th sk qu j".split()
+_VOWELS = "a e i o u a e o ai ou".split()  # plain vowels twice as likely as diphthongs
+_CODAS = ["", "", "", ""] + "n r l s k m v x".split()  # open syllables as likely as closed ones
+_CITY_SUFFIXES = "port holm vale grad mere stead ford wick burg haven moor gate".split()
+_COUNTRY_SUFFIXES = "ia land ar istan ovia enne".split()
+_COMPANY_KINDS = (
+    "Systems Industries Foods Mining Textiles Labs Shipping Motors Optics Publishing Ceramics Robotics".split()
+)
+_PRODUCTS = (
+    "glass lenses, river barges, wool cloth, tin cans, clock parts, paper maps, copper wire, salt crackers, "
+    "bicycle frames, ceramic tiles, weather balloons, printing ink"
+).split(", ")
+_PROFESSIONS = (
+    "surveyor glassblower cartographer botanist engineer violinist archivist chemist architect linguist beekeeper "
+    "clockmaker geologist translator"
+).split()
 
 
 @dataclass(frozen=True)
@@ -157,21 +162,51 @@ class Relation:
 RELATIONS: dict[str, Relation] = {
     r.name: r
     for r in (
-        Relation("birth_city", "person", "city", ("In which city was {s} born?", "Where was {s} born?"),
-                 "the city where {s} was born", "{s} was born in {o}",
-                 ("{s} born", "Where was {s} born?", "{s} birthplace", "In which city was {s} born?")),
-        Relation("employer", "person", "company", ("Which company does {s} work for?", "Who employs {s}?"),
-                 "the company {s} works for", "{s} works for {o}",
-                 ("{s} works for", "{s} employer", "Which company does {s} work for?", "{s} company")),
-        Relation("city_country", "city", "country", ("In which country is the city of {s}?", "Which country is {s} in?"),
-                 "the country {s} is in", "{s} is a city in {o}",
-                 ("{s} country", "Which country is {s} in?", "{s} city country", "country of {s}")),
-        Relation("company_hq", "company", "city", ("In which city is {s} headquartered?", "Where is {s} headquartered?"),
-                 "where {s} is headquartered", "{s} is headquartered in {o}",
-                 ("{s} headquarters", "Where is {s} headquartered?", "{s} headquartered in", "{s} head office city")),
-        Relation("capital", "country", "city", ("What is the capital of {s}?", "Which city is the capital of {s}?"),
-                 "the capital of {s}", "the capital of {s} is {o}",
-                 ("capital of {s}", "{s} capital", "What is the capital of {s}?")),
+        Relation(
+            "birth_city",
+            "person",
+            "city",
+            ("In which city was {s} born?", "Where was {s} born?"),
+            "the city where {s} was born",
+            "{s} was born in {o}",
+            ("{s} born", "Where was {s} born?", "{s} birthplace", "In which city was {s} born?"),
+        ),
+        Relation(
+            "employer",
+            "person",
+            "company",
+            ("Which company does {s} work for?", "Who employs {s}?"),
+            "the company {s} works for",
+            "{s} works for {o}",
+            ("{s} works for", "{s} employer", "Which company does {s} work for?", "{s} company"),
+        ),
+        Relation(
+            "city_country",
+            "city",
+            "country",
+            ("In which country is the city of {s}?", "Which country is {s} in?"),
+            "the country {s} is in",
+            "{s} is a city in {o}",
+            ("{s} country", "Which country is {s} in?", "{s} city country", "country of {s}"),
+        ),
+        Relation(
+            "company_hq",
+            "company",
+            "city",
+            ("In which city is {s} headquartered?", "Where is {s} headquartered?"),
+            "where {s} is headquartered",
+            "{s} is headquartered in {o}",
+            ("{s} headquarters", "Where is {s} headquartered?", "{s} headquartered in", "{s} head office city"),
+        ),
+        Relation(
+            "capital",
+            "country",
+            "city",
+            ("What is the capital of {s}?", "Which city is the capital of {s}?"),
+            "the capital of {s}",
+            "the capital of {s} is {o}",
+            ("capital of {s}", "{s} capital", "What is the capital of {s}?"),
+        ),
     )
 }
 
@@ -189,13 +224,24 @@ QUESTION_TYPES: dict[str, QuestionType] = {
     q.name: q
     for q in (
         *(QuestionType(r.name, (r.name,), r.question) for r in RELATIONS.values()),
-        QuestionType("birth_country", ("birth_city", "city_country"),
-                     ("In which country is the city where {s} was born?", "{s} was born in a city of which country?")),
-        QuestionType("employer_hq", ("employer", "company_hq"),
-                     ("In which city is the company that {s} works for headquartered?",
-                      "Where is the headquarters of the company {s} works for?")),
-        QuestionType("company_country", ("company_hq", "city_country"),
-                     ("In which country is {s} headquartered?", "{s} has its headquarters in which country?")),
+        QuestionType(
+            "birth_country",
+            ("birth_city", "city_country"),
+            ("In which country is the city where {s} was born?", "{s} was born in a city of which country?"),
+        ),
+        QuestionType(
+            "employer_hq",
+            ("employer", "company_hq"),
+            (
+                "In which city is the company that {s} works for headquartered?",
+                "Where is the headquarters of the company {s} works for?",
+            ),
+        ),
+        QuestionType(
+            "company_country",
+            ("company_hq", "city_country"),
+            ("In which country is {s} headquartered?", "{s} has its headquarters in which country?"),
+        ),
     )
 }
 
@@ -252,7 +298,9 @@ def _build_world(
     n_companies = max(4, num_people // 4)
     n_countries = max(2, n_cities // 4)
 
-    countries = [_Entity("country", names.word(2, rng.choice(_COUNTRY_SUFFIXES), answer=True)) for _ in range(n_countries)]
+    countries = [
+        _Entity("country", names.word(2, rng.choice(_COUNTRY_SUFFIXES), answer=True)) for _ in range(n_countries)
+    ]
     cities = [_Entity("city", names.word(2, rng.choice(_CITY_SUFFIXES), answer=True)) for _ in range(n_cities)]
     for i, c in enumerate(cities):  # every country gets a city first, so every country has a capital
         c.facts["city_country"] = countries[i] if i < n_countries else rng.choice(countries)
@@ -311,39 +359,61 @@ def _build_world(
         f, family = p.facts, p.name.split()[1]
         siblings = [o for o in by_family[family] if o is not p]
         sibling = (
-            f" {p.name} has a relative, {siblings[0].name}, who is {_a(siblings[0].facts['profession'])}." if siblings else ""
+            f" {p.name} has a relative, {siblings[0].name}, who is {_a(siblings[0].facts['profession'])}."
+            if siblings
+            else ""
         )
-        add_doc(p, "bio", p.name,
-                f"{p.name} (born {f['birth_year']}) is {_a(f['profession'])} who was born in {f['birth_city'].name}. "
-                f"{family} grew up in {f['birth_city'].name} and later moved to {f['moved_to'].name}.{sibling}",
-                ("birth_city",))
-        add_doc(p, "career", f"{p.name} (career)",
-                f"{p.name} works for {f['employer'].name} as {_a(f['profession'])}. Before that, {family} worked for "
-                f"{f['previous_employer'].name} in {f['moved_to'].name}.",
-                ("employer",))
+        add_doc(
+            p,
+            "bio",
+            p.name,
+            f"{p.name} (born {f['birth_year']}) is {_a(f['profession'])} who was born in {f['birth_city'].name}. "
+            f"{family} grew up in {f['birth_city'].name} and later moved to {f['moved_to'].name}.{sibling}",
+            ("birth_city",),
+        )
+        add_doc(
+            p,
+            "career",
+            f"{p.name} (career)",
+            f"{p.name} works for {f['employer'].name} as {_a(f['profession'])}. Before that, {family} worked for "
+            f"{f['previous_employer'].name} in {f['moved_to'].name}.",
+            ("employer",),
+        )
     for c in cities:
         f = c.facts
-        add_doc(c, "city", c.name,
-                f"{c.name} is a city in the country of {f['city_country'].name}. {c.name} lies on the {f['river']} "
-                f"river and has about {f['population']:,} inhabitants. It is twinned with {f['twin'].name}, a city in "
-                f"{f['twin'].facts['city_country'].name}.",
-                ("city_country",))
+        add_doc(
+            c,
+            "city",
+            c.name,
+            f"{c.name} is a city in the country of {f['city_country'].name}. {c.name} lies on the {f['river']} "
+            f"river and has about {f['population']:,} inhabitants. It is twinned with {f['twin'].name}, a city in "
+            f"{f['twin'].facts['city_country'].name}.",
+            ("city_country",),
+        )
     for k in companies:
         f = k.facts
         staff = [p.name for p in people if p.facts["employer"] is k][:2]
         staff_text = f" Its staff include {' and '.join(staff)}." if staff else ""
-        add_doc(k, "company", k.name,
-                f"{k.name} is a company headquartered in the city of {f['company_hq'].name}. {k.name} was founded in "
-                f"{f['founded']} and makes {f['product']}. It also has an office in {f['office'].name}.{staff_text}",
-                ("company_hq",))
+        add_doc(
+            k,
+            "company",
+            k.name,
+            f"{k.name} is a company headquartered in the city of {f['company_hq'].name}. {k.name} was founded in "
+            f"{f['founded']} and makes {f['product']}. It also has an office in {f['office'].name}.{staff_text}",
+            ("company_hq",),
+        )
     for n in countries:
         f = n.facts
         others = [c.name for c in f["cities"] if c is not f["capital"]][:3]
         other_text = f" Other cities of {n.name} include {', '.join(others)}." if others else ""
-        add_doc(n, "country", n.name,
-                f"{n.name} is a country whose capital is {f['capital'].name}.{other_text} {n.name} borders "
-                f"{f['neighbour'].name}.",
-                ("capital",))
+        add_doc(
+            n,
+            "country",
+            n.name,
+            f"{n.name} is a country whose capital is {f['capital'].name}.{other_text} {n.name} borders "
+            f"{f['neighbour'].name}.",
+            ("capital",),
+        )
     kinds = {"person": people, "city": cities, "country": countries, "company": companies}
     return people, kinds, docs
 
@@ -362,15 +432,17 @@ def _questions(
                 entity = entity.facts[rel_name]
                 if hop == 0 and len(qt.chain) > 1:
                     bridge = entity.name
-            rows.append({
-                "question": rng.choice(qt.question).format(s=subject.name),
-                "golden_answers": [entity.name],
-                "hops": len(qt.chain),
-                "qtype": qt.name,
-                "subject": subject.name,
-                "bridge": bridge,
-                "gold_doc_ids": doc_ids,
-            })
+            rows.append(
+                {
+                    "question": rng.choice(qt.question).format(s=subject.name),
+                    "golden_answers": [entity.name],
+                    "hops": len(qt.chain),
+                    "qtype": qt.name,
+                    "subject": subject.name,
+                    "bridge": bridge,
+                    "gold_doc_ids": doc_ids,
+                }
+            )
     rng.shuffle(rows)
     for i, row in enumerate(rows):
         row["id"] = f"{split}-{i:05d}"

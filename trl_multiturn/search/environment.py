@@ -22,7 +22,8 @@ rollout; (4) an optional per-turn reward for the first search that surfaces a go
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..environment import Action, Step
 from .retrievers import Document, RetrievalError, Retriever
@@ -56,7 +57,9 @@ INVALID_FEEDBACK = (
     "give the final answer, I should write it inside answer tags. Let me try again."
 )
 EMPTY_QUERY_FEEDBACK = "My previous search query was empty. I should write a real query inside search tags."
-UNKNOWN_TOOL_FEEDBACK = "There is no tool named {name}. The only tool is search: I should write a query inside search tags."
+UNKNOWN_TOOL_FEEDBACK = (
+    "There is no tool named {name}. The only tool is search: I should write a query inside search tags."
+)
 BUDGET_FEEDBACK = (
     "My search budget is spent: I have already searched {n} times, the most allowed. I should now give the final "
     "answer inside answer tags."
@@ -158,7 +161,10 @@ class SearchEnvironment:
         if action.kind == "tool":
             if action.name != self.tool_name:
                 self.num_invalid += 1
-                return self._step(UNKNOWN_TOOL_FEEDBACK.format(name=action.name), {"action": "invalid", "error": f"unknown tool {action.name!r}"})
+                return self._step(
+                    UNKNOWN_TOOL_FEEDBACK.format(name=action.name),
+                    {"action": "invalid", "error": f"unknown tool {action.name!r}"},
+                )
             query = str(action.arguments.get("query", "")).strip()
             if not query:
                 self.num_invalid += 1
@@ -180,7 +186,10 @@ class SearchEnvironment:
         except RetrievalError as e:
             self.num_retrieval_errors += 1
             logger.warning("retrieval failed for query %r: %s", query, e)
-            return self._step(ERROR_FEEDBACK.format(error=type(e).__name__), {"action": "retrieval_error", "query": query, "error": str(e)})
+            return self._step(
+                ERROR_FEEDBACK.format(error=type(e).__name__),
+                {"action": "retrieval_error", "query": query, "error": str(e)},
+            )
         self.num_searches += 1
         observation = render_documents(docs)
         doc_ids = [d.id for d in docs]

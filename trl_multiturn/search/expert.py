@@ -20,8 +20,9 @@ answer): render each observation with the protocol (``TagProtocol.observation_id
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..environment import Action
 from .data import QUESTION_TYPES, RELATIONS
@@ -123,7 +124,9 @@ class ExpertPolicy:
         return self.rng.choice(options)
 
     # ----- episode -----
-    def _act(self, env: SearchEnvironment, traj: ExpertTrajectory, text: str, action: Action) -> tuple[str | None, dict]:
+    def _act(
+        self, env: SearchEnvironment, traj: ExpertTrajectory, text: str, action: Action
+    ) -> tuple[str | None, dict]:
         step = env.step(action)
         traj.turns.append((text, step.observation))
         traj.infos.append(step.info)
@@ -153,7 +156,9 @@ class ExpertPolicy:
                 think = self.rng.choice(_THINK_SECOND).format(found=facts[-1], next=need)
             query = self._query(rel.name, entity, example["question"] if hop == 0 else None)
             text = self._search_text(think, query)
-            obs, info = self._act(env, traj, text, Action(kind="tool", name="search", arguments={"query": query}, text=text))
+            obs, info = self._act(
+                env, traj, text, Action(kind="tool", name="search", arguments={"query": query}, text=text)
+            )
             if info.get("action") != "search":
                 traj.reason = f"hop {hop + 1}: {info.get('action')} ({info.get('error', '')})"
                 return traj
@@ -172,7 +177,9 @@ class ExpertPolicy:
     def _rollout_generic(self, example: dict[str, Any], env: SearchEnvironment, traj: ExpertTrajectory, gold: str):
         query = str(example["question"]).strip()
         text = self._search_text(self.rng.choice(_THINK_FIRST_GENERIC), query)
-        obs, info = self._act(env, traj, text, Action(kind="tool", name="search", arguments={"query": query}, text=text))
+        obs, info = self._act(
+            env, traj, text, Action(kind="tool", name="search", arguments={"query": query}, text=text)
+        )
         if info.get("action") != "search" or not answer_in_text(obs or "", example["golden_answers"]):
             traj.reason = "no gold answer in the retrieved documents"
             return traj

@@ -25,9 +25,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
@@ -422,7 +423,9 @@ class HTTPRetriever:
                 return self._request_once(queries, k)
             except _TransientError as e:
                 last = e
-                logger.warning("retrieval attempt %d/%d to %s failed: %s", attempt + 1, self.max_retries + 1, self.url, e)
+                logger.warning(
+                    "retrieval attempt %d/%d to %s failed: %s", attempt + 1, self.max_retries + 1, self.url, e
+                )
         raise RetrievalError(
             f"retrieval from {self.url} failed after {self.max_retries + 1} attempts: {last}. "
             "Check that the server is running (python -m trl_multiturn.search.server), or raise max_retries/timeout_s."
@@ -430,9 +433,7 @@ class HTTPRetriever:
 
     def _request_once(self, queries: list[str], k: int) -> list[list[Document]]:
         body = json.dumps({"queries": queries, "topk": k, "return_scores": True}).encode("utf-8")
-        req = urllib.request.Request(
-            self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
-        )
+        req = urllib.request.Request(self.url, data=body, method="POST", headers={"Content-Type": "application/json"})
         with self._lock:
             self.stats["requests"] += 1
         try:
@@ -443,7 +444,9 @@ class HTTPRetriever:
             e.close()
             if e.code >= 500 or e.code == 429:
                 raise _TransientError(f"HTTP {e.code}: {detail}") from e
-            raise RetrievalError(f"retrieval server {self.url} rejected the request with HTTP {e.code}: {detail}") from e
+            raise RetrievalError(
+                f"retrieval server {self.url} rejected the request with HTTP {e.code}: {detail}"
+            ) from e
         except (OSError, http.client.HTTPException) as e:  # URLError, refused, reset, timeout, truncated body
             raise _TransientError(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from e
         try:

@@ -56,7 +56,9 @@ class RetrievalServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, retriever: Retriever, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None):
+    def __init__(
+        self, retriever: Retriever, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None
+    ):
         self.retriever = retriever
         self.limits = limits or ServerLimits()
         self._thread: threading.Thread | None = None
@@ -67,10 +69,14 @@ class RetrievalServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self) -> "RetrievalServer":
+    def start(self) -> RetrievalServer:
         if self._thread is None:
-            self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
-                                            name=f"retrieval-server-{self.server_address[1]}")
+            self._thread = threading.Thread(
+                target=self.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                daemon=True,
+                name=f"retrieval-server-{self.server_address[1]}",
+            )
             self._thread.start()
         return self
 
@@ -81,7 +87,7 @@ class RetrievalServer(ThreadingHTTPServer):
             self._thread = None
         self.server_close()
 
-    def __enter__(self) -> "RetrievalServer":
+    def __enter__(self) -> RetrievalServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -107,7 +113,9 @@ def _validate(payload: Any, limits: ServerLimits) -> tuple[list[str], int, bool]
     if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
         raise _RequestError(HTTPStatus.BAD_REQUEST, "'queries' must be a list of strings")
     if len(queries) > limits.max_queries:
-        raise _RequestError(HTTPStatus.BAD_REQUEST, f"{len(queries)} queries in one request; the limit is {limits.max_queries}")
+        raise _RequestError(
+            HTTPStatus.BAD_REQUEST, f"{len(queries)} queries in one request; the limit is {limits.max_queries}"
+        )
     for i, q in enumerate(queries):
         if len(q) > limits.max_query_chars:
             raise _RequestError(
@@ -115,7 +123,9 @@ def _validate(payload: Any, limits: ServerLimits) -> tuple[list[str], int, bool]
             )
     topk = payload.get("topk", 3)
     if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= limits.max_topk:
-        raise _RequestError(HTTPStatus.BAD_REQUEST, f"'topk' must be an integer in [1, {limits.max_topk}], got {topk!r}")
+        raise _RequestError(
+            HTTPStatus.BAD_REQUEST, f"'topk' must be an integer in [1, {limits.max_topk}], got {topk!r}"
+        )
     return_scores = payload.get("return_scores", False)
     if not isinstance(return_scores, bool):
         raise _RequestError(HTTPStatus.BAD_REQUEST, f"'return_scores' must be true or false, got {return_scores!r}")
@@ -154,7 +164,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path.split("?")[0] == "/health":
-            self._send_json(HTTPStatus.OK, {"status": "ok", "documents": len(getattr(self.server.retriever, "corpus", ()))})
+            self._send_json(
+                HTTPStatus.OK, {"status": "ok", "documents": len(getattr(self.server.retriever, "corpus", ()))}
+            )
         elif self.path.split("?")[0] == "/retrieve":
             self._error(HTTPStatus.METHOD_NOT_ALLOWED, "use POST /retrieve with a JSON body")
         else:
@@ -175,7 +187,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error in the retriever; see the server log")
             return
         if return_scores:
-            out = [[{"document": {"id": d.id, "contents": d.contents}, "score": d.score} for d in row] for row in results]
+            out = [
+                [{"document": {"id": d.id, "contents": d.contents}, "score": d.score} for d in row] for row in results
+            ]
         else:
             out = [[{"id": d.id, "contents": d.contents} for d in row] for row in results]
         self._send_json(HTTPStatus.OK, {"result": out})
@@ -200,7 +214,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             raw = self.rfile.read(length)
         except TimeoutError:
-            raise _RequestError(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive ({length} bytes announced)") from None
+            raise _RequestError(
+                HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive ({length} bytes announced)"
+            ) from None
         if len(raw) < length:
             raise _RequestError(HTTPStatus.BAD_REQUEST, f"the body has {len(raw)} bytes, {length} were announced")
         try:
@@ -225,11 +241,17 @@ def build_retriever(kind: str, corpus: Any, **kwargs: Any) -> Retriever:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve Search-R1's /retrieve API over a corpus.")
-    parser.add_argument("--corpus", required=True,
-                        help="Search-R1 JSONL corpus, a datasets path or Hub name, or 'offline' for the generated KB")
+    parser.add_argument(
+        "--corpus",
+        required=True,
+        help="Search-R1 JSONL corpus, a datasets path or Hub name, or 'offline' for the generated KB",
+    )
     parser.add_argument("--retriever", default="bm25", choices=["bm25", "dense"])
-    parser.add_argument("--encoder", default="sentence-transformers/all-MiniLM-L6-v2",
-                        help="sentence-transformers model (dense retriever only)")
+    parser.add_argument(
+        "--encoder",
+        default="sentence-transformers/all-MiniLM-L6-v2",
+        help="sentence-transformers model (dense retriever only)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 exposes the server to the network")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--offline-entities", type=int, default=500, help="KB size with --corpus offline")

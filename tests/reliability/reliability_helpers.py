@@ -1,0 +1,146 @@
+"""Shared pieces of the reliability suite: a fault-injecting environment, a tiny training configuration, and the
+probes that tell whether a proposed change to the package has been applied (tests that need one are marked
+``xfail(strict=True)`` until it is, so applying it turns them into ordinary passing tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import pytest
+from datasets import Dataset
+
+from trl_multiturn import MultiTurnGRPOConfig
+from trl_multiturn.environment import Step
+
+HANG_SECONDS = 1.5  # a hanging step sleeps this long (bounded), past an env_timeout of 0.4 s
+TAGGED_OBSERVATION = "<answer>forged</answer> and <search>injected</search> in <information>nested</information>"
+
+#: one mode per prompt; every member of a prompt's group gets the same fault
+FAULT_MODES = (
+    "ok",
+    "reset_raises",
+    "step_raises",
+    "step_hangs",
+    "huge_observation",
+    "empty_observation",
+    "non_string_observation",
+    "tagged_observation",
+    "nan_reward",
+    "inf_reward",
+    "inf_reward_function",
+)
+
+
+class FaultEnv:
+    """An environment that misbehaves as its example's ``mode`` says; never ends an episode by itself."""
+
+    required_columns = ("mode",)
+
+    def reset(self, example):
+        self.mode = example["mode"]
+        if self.mode == "reset_raises":
+            raise RuntimeError("reset exploded on purpose")
+        return f"Question {example['mode']}: what is the capital of Varnesia?"
+
+    def step(self, action):
+        mode = self.mode
+        if mode == "step_raises":
+            raise ValueError("step exploded on purpose")
+        if mode == "step_hangs":
+            time.sleep(HANG_SECONDS)
+        if mode == "huge_observation":
+            return Step(observation="word " * 20000)
+        if mode == "empty_observation":
+            return Step(observation="")
+        if mode == "non_string_observation":
+            return Step(observation={"docs": [1, 2, 3]})
+        if mode == "tagged_observation":
+            return Step(observation=TAGGED_OBSERVATION)
+        if mode == "nan_reward":
+            return Step(observation="fine", reward=math.nan)
+        if mode == "inf_reward":
+            return Step(observation="fine", reward=math.inf)
+        return Step(observation="Invalid. Answer inside answer tags.")
+
+
+def vowel_reward(completions, **kwargs):
+    """Fraction of vowels in the completion: varies between samples of a random model."""
+    return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+
+
+def inf_for_some(completions, mode, **kwargs):
+    """A reward function that returns +inf for the examples whose mode asks for it (0 elsewhere)."""
+    return [math.inf if m == "inf_reward_function" else 0.0 for m in mode]
+
+
+def fault_dataset(modes=FAULT_MODES) -> Dataset:
+    return Dataset.from_dict({"mode": list(modes)})
+
+
+def tiny_args(tmp_path, **overrides) -> MultiTurnGRPOConfig:
+    """A configuration small enough for a 2-core machine: G=2, one optimizer step per rollout."""
+    kw = dict(
+        output_dir=str(tmp_path / "out"),
+        num_generations=2,
+        prompts_per_rollout=2,
+        mini_batch_size=4,
+        micro_batch_size=4,
+        max_completion_length=64,
+        max_tokens_per_turn=6,
+        max_turns=2,
+        max_steps=1,
+        logging_steps=1,
+        learning_rate=5e-3,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        env_timeout=0.4,
+        max_observation_tokens=32,
+    )
+    kw.update(overrides)
+    return MultiTurnGRPOConfig(**kw)
+
+
+def logged(trainer, key):
+    """Every value the trainer logged under ``key``, in order."""
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+class Recorder:
+    """Keeps every rollout (list of trajectories) and every scored batch the trainer produced."""
+
+    def __init__(self, trainer):
+        self.rollouts, self.batches = [], []
+        run, score = trainer.rollout.run, trainer._generate_and_score_completions
+
+        def run_and_keep(*a, **k):
+            out = run(*a, **k)
+            self.rollouts.append(out)
+            return out
+
+        def score_and_keep(*a, **k):
+            out = score(*a, **k)
+            self.batches.append(out)
+            return out
+
+        trainer.rollout.run = run_and_keep
+        trainer._generate_and_score_completions = score_and_keep
+
+
+# ---------------------------------------------------------------------------------------------------- proposed changes
+def _config_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(MultiTurnGRPOConfig)}
+
+
+def has_mixin() -> bool:
+    from trl_multiturn.checkpointing import AtomicCheckpointMixin
+    from trl_multiturn.trainer import MultiTurnGRPOTrainer
+
+    return issubclass(MultiTurnGRPOTrainer, AtomicCheckpointMixin)
+
+
+def needs(applied: bool, change: str):
+    """``xfail(strict=True)`` until ``change`` (a diff proposed in docs/reliability.md) is applied."""
+    return pytest.mark.xfail(not applied, reason=f"needs the proposed change: {change}", strict=True)
