@@ -9,11 +9,14 @@ weights, gradients, AdamW state, activations (with gradient checkpointing) and t
 relative to the process before the model was loaded.
 
 `estimate` adds up, per GPU, for per_device_train_batch_size=1 at `--seq-len` tokens in bf16:
-weights (bf16, or NF4 with bf16 embeddings and head for QLoRA) + trainable state (full: bf16 grads + fp32 master
-weights + AdamW moments = 14 bytes per parameter on top of the bf16 weights; LoRA/QLoRA: fp32 adapter, grads and
-AdamW = 16 bytes per adapter parameter) + activations (gradient checkpointing: one hidden state per layer, plus the
-tensors one layer keeps for its backward while it is recomputed; SDPA/flash attention, no L^2 term) + logits and
-their gradient (bf16) + the rollout KV cache for `--num-generations` sequences + a fixed CUDA/runtime overhead.
+- weights: bf16, or NF4 (4 bits + one fp32 scale per 64 weights) with bf16 embeddings and head for QLoRA;
+- trainable state: full: bf16 grads + fp32 master weights + two fp32 AdamW moments = 14 bytes per parameter on top
+  of the bf16 weights; LoRA: fp32 adapter, grads and moments = 16 bytes per adapter parameter; QLoRA: the same in
+  bf16, as TRL casts the adapters of a quantized model, = 8 bytes;
+- activations: with gradient checkpointing, one hidden state per layer, plus the tensors one layer keeps for its
+  backward while it is recomputed (SDPA/flash attention, no L^2 term);
+- logits and their gradient (bf16), the rollout KV cache for `--num-generations` sequences, and a fixed
+  CUDA/runtime overhead.
 The reference model for the KL term costs nothing extra with an adapter (the adapter is disabled for it); for full
 fine-tuning with `beta > 0` add one more bf16 copy of the weights. vLLM's own memory is not included.
 """
@@ -78,8 +81,12 @@ class Arch:
         return self.layers * sum(r * (a + b) for a, b in self.linear_shapes())
 
 
-QWEN2_5_3B = Arch("Qwen2.5-3B", hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2, vocab=151936, tied=True)
-QWEN2_5_7B = Arch("Qwen2.5-7B", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064, tied=False)
+QWEN2_5_3B = Arch(
+    "Qwen2.5-3B", hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2, vocab=151936, tied=True
+)
+QWEN2_5_7B = Arch(
+    "Qwen2.5-7B", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064, tied=False
+)
 
 NF4_BYTES = 0.5 + 4 / 64  # 4-bit codes + one fp32 scale per 64-weight block (no double quantization)
 RUNTIME_OVERHEAD = 1.0 * GiB  # CUDA context, kernels, allocator fragmentation
@@ -94,7 +101,9 @@ def estimate(arch: Arch, method: str, *, seq_len: int = 4096, lora_r: int = 16, 
         weights = arch.linear_params() * NF4_BYTES + (params - arch.linear_params()) * 2
     else:
         weights = params * 2
-    trainable = params * 14 if method == "full" else lora * 16
+    # LoRA: PEFT keeps adapters in fp32 (weight, grad, two AdamW moments: 16 bytes); QLoRA: TRL's GRPOTrainer casts
+    # the adapters of a quantized model to bf16 (8 bytes, the AdamW moments follow the parameter dtype).
+    trainable = {"full": params * 14, "lora": lora * 16, "qlora": lora * 8}[method]
     # Activations: one bf16 hidden state per layer is kept (checkpointing); while one layer is recomputed it holds
     # its own inputs for backward: norms, q/k/v/o, gate/up/activation/product (elements per token, bf16).
     checkpoints = arch.layers * seq_len * arch.hidden * 2
@@ -131,10 +140,14 @@ def estimate_table(seq_len: int, lora_r: int, num_generations: int) -> str:
     for arch in (QWEN2_5_3B, QWEN2_5_7B):
         for method in ("full", "lora", "qlora"):
             e = estimate(arch, method, seq_len=seq_len, lora_r=lora_r, num_generations=num_generations)
-            cells = [e[k] / GiB for k in ("weights", "trainable_state", "activations", "logits", "rollout_kv_cache", "total")]
+            cells = [
+                e[k] / GiB for k in ("weights", "trainable_state", "activations", "logits", "rollout_kv_cache", "total")
+            ]
             fits = [_fits(e["total"], gpu * GiB) for gpu in (24, 80)]
             rows.append(
-                f"| {arch.name} | {method} | " + " | ".join(f"{c:.1f} GiB" for c in cells) + f" | {fits[0]} | {fits[1]} |"
+                f"| {arch.name} | {method} | "
+                + " | ".join(f"{c:.1f} GiB" for c in cells)
+                + f" | {fits[0]} | {fits[1]} |"
             )
     return "\n".join(rows)
 
@@ -186,7 +199,9 @@ def measure_one(method: str, batch: int, seq_len: int, lora_r: int) -> dict:
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
         config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32, device_map="cpu")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=config, dtype=torch.float32, device_map="cpu"
+        )
         prepare_qlora_for_cpu(model)
     else:
         model, _ = load_smollm2(dtype=torch.float32)

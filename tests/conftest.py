@@ -34,10 +34,10 @@ for _name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
     os.environ.pop(_name, None)
 os.environ.setdefault("TRL_MULTITURN_CACHE", str(REPO_ROOT / ".cache" / "trl_multiturn"))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from trl_multiturn.models import load_smollm2, load_tokenizer_offline, smollm2_path, tiny_random_model  # noqa: E402
+from trl_multiturn.models import load_smollm2, load_tokenizer_offline, smollm2_path, tiny_random_model
 
 
 def pytest_collection_modifyitems(config, items):

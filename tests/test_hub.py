@@ -107,7 +107,7 @@ def test_model_card_metadata_and_content(saved_adapter):
     assert "| stage | exact_match | reward |" in text
     assert "| base model | 0.12 | 0.15 |" in text and "| after GRPO | 0.31 | - |" in text
     assert "![Reward and exact match during training](training_curves.png)" in text
-    config = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    config = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.DOTALL).group(1))
     assert config["num_generations"] == 5 and config["hub_token"] == "<redacted>"
     assert 'PeftModel.from_pretrained(base, "me/agent")' in text
     assert "hf_secret" not in (out / "README.md").read_text()
@@ -116,7 +116,13 @@ def test_model_card_metadata_and_content(saved_adapter):
 def test_saved_files(saved_adapter, plot_png):
     _, out = saved_adapter
     names = {p.name for p in out.iterdir()}
-    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "tokenizer.json", "training_curves.png"} <= names
+    assert {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "README.md",
+        "tokenizer.json",
+        "training_curves.png",
+    } <= names
     assert not any(name.startswith("model") for name in names)  # the adapter only, not the base weights
     assert (out / "training_curves.png").read_bytes() == plot_png.read_bytes()
     config = json.loads((out / "adapter_config.json").read_text())
@@ -141,9 +147,12 @@ def test_card_snippet_runs(tmp_path, tiny_model_factory, smollm2_tokenizer):
     base_dir = tmp_path / "base"
     tiny_model_factory().save_pretrained(base_dir)
     out = save_adapter(
-        lora_model(tiny_model_factory), smollm2_tokenizer, tmp_path / "adapter", card=card_info(str(base_dir), repo_id=None)
+        lora_model(tiny_model_factory),
+        smollm2_tokenizer,
+        tmp_path / "adapter",
+        card=card_info(str(base_dir), repo_id=None),
     )
-    code = re.search(r"```python\n(.*?)```", (out / "README.md").read_text(), re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", (out / "README.md").read_text(), re.DOTALL).group(1)
     assert f'PeftModel.from_pretrained(base, "{out}")' in code
     code = code.replace("max_new_tokens=128", "max_new_tokens=4")
     printed = io.StringIO()
@@ -153,7 +162,9 @@ def test_card_snippet_runs(tmp_path, tiny_model_factory, smollm2_tokenizer):
 
 
 def test_offline_smollm2_base_is_recorded_by_its_hub_id(tmp_path, tiny_model_factory, smollm2_tokenizer, smollm2_dir):
-    out = save_adapter(lora_model(tiny_model_factory), smollm2_tokenizer, tmp_path / "a", card={"base_model": str(smollm2_dir)})
+    out = save_adapter(
+        lora_model(tiny_model_factory), smollm2_tokenizer, tmp_path / "a", card={"base_model": str(smollm2_dir)}
+    )
     text = (out / "README.md").read_text()
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in text and "smollm2_path()" in text
 
@@ -257,7 +268,9 @@ class HubStandIn:
                 repo_id = f"{payload['organization']}/{payload['name']}"
                 if repo_id in hub.repos:
                     # The Hub's 409 carries the url too; create_repo(exist_ok=True) reads it.
-                    return self._send(409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo_id}"})
+                    return self._send(
+                        409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo_id}"}
+                    )
                 hub.repos[repo_id] = {"visibility": payload.get("visibility"), "files": {}, "commits": []}
                 self._send(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})
 
@@ -273,7 +286,9 @@ class HubStandIn:
                     added[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
                 repo["files"].update(added)
                 oid = f"{len(repo['commits']) + 1:040x}"
-                repo["commits"].append({"summary": header["value"]["summary"], "revision": revision, "files": sorted(added)})
+                repo["commits"].append(
+                    {"summary": header["value"]["summary"], "revision": revision, "files": sorted(added)}
+                )
                 self._send(200, {"commitUrl": f"{hub.url}/{repo_id}/commit/{oid}", "commitOid": oid})
 
         return Handler
@@ -308,7 +323,9 @@ def test_push_sends_every_file_in_one_commit(hub, saved_adapter):
     assert repo["visibility"] == "private"
     assert len(repo["commits"]) == 1 and repo["commits"][0]["summary"] == "GRPO search agent, step 300"
     assert repo["files"] == local_files(out)  # every file arrived, byte for byte
-    assert {"README.md", "adapter_model.safetensors", "adapter_config.json", "training_curves.png"} <= set(repo["files"])
+    assert {"README.md", "adapter_model.safetensors", "adapter_config.json", "training_curves.png"} <= set(
+        repo["files"]
+    )
     assert url == f"{hub.url}/me/agent/commit/{1:040x}"
     assert [p for m, p in hub.requests if "/commit/" in p] == ["/api/models/me/agent/commit/main"]
 

@@ -10,14 +10,16 @@ the same function, so their gradients must agree to float32 rounding.
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from trl_multiturn.models import cpu_has_avx512_bf16, prepare_qlora_for_cpu  # noqa: E402
+from trl_multiturn.models import cpu_has_avx512_bf16, prepare_qlora_for_cpu
 
 PROMPT = "<|im_start|>user\nWho wrote Hamlet?<|im_end|>\n<|im_start|>assistant\n<search>Hamlet</search>"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -69,14 +71,18 @@ def rollout_then_lora_grads(model, ids):
 
 def max_relative_error(actual, expected):
     assert actual.keys() == expected.keys() and len(expected) > 0
-    return max(((actual[n] - expected[n]).abs().max() / expected[n].abs().max().clamp_min(1e-12)).item() for n in expected)
+    return max(
+        ((actual[n] - expected[n]).abs().max() / expected[n].abs().max().clamp_min(1e-12)).item() for n in expected
+    )
 
 
 def assert_grads_equal(actual, expected):
     assert actual.keys() == expected.keys() and len(expected) > 0
     for name in expected:
         assert expected[name].abs().max() > 0, f"{name} has no gradient, the comparison would prove nothing"
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], expected[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +166,26 @@ def test_smollm2_qlora_grads_after_generate_match_dequantized_lora(smollm2_dir, 
     expected = rollout_then_lora_grads(with_lora(dequantized_copy(smollm2_dir, quantized)), ids)
     actual = rollout_then_lora_grads(with_lora(quantized), ids)
     assert_grads_equal(actual, expected)
+
+
+def test_memory_estimate_arithmetic(monkeypatch):
+    """The GPU estimate in docs/lora_qlora.md: parameter counts against the published sizes, LoRA by hand."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "memory_benchmark", Path(__file__).parents[1] / "benchmarks/memory.py"
+    )
+    memory = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, memory)  # dataclasses look their module up there
+    spec.loader.exec_module(memory)
+    assert round(memory.QWEN2_5_3B.params() / 1e9, 2) == 3.09  # Qwen2.5-3B: 3.09 B
+    assert round(memory.QWEN2_5_7B.params() / 1e9, 2) == 7.62  # Qwen2.5-7B: 7.61 B (7,615,616,512)
+    # LoRA r=16 on one Qwen2.5-3B layer: q (2048+2048) + k, v (2048+256) x 2 + o (2048+2048) + gate, up (2048+11008)
+    # x 2 + down (11008+2048) = 51,968 per unit of rank -> x 16 x 36 layers
+    assert memory.QWEN2_5_3B.lora_params(16) == 51_968 * 16 * 36
+    full = memory.estimate(memory.QWEN2_5_7B, "full", seq_len=4096)
+    assert full["trainable_state"] == full["params"] * 14 and full["weights"] == full["params"] * 2
+    qlora = memory.estimate(memory.QWEN2_5_7B, "qlora", seq_len=4096)
+    assert qlora["logits"] == 4096 * 152064 * 4 and qlora["total"] < 24 * memory.GiB
+    with pytest.raises(ValueError, match="method='dora'"):
+        memory.estimate(memory.QWEN2_5_3B, "dora")

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from scripted import ScriptedLM
 
 from trl_multiturn.environment import Step
 from trl_multiturn.generation import SamplingParams, TransformersGenerator
@@ -27,8 +28,6 @@ from trl_multiturn.sft import (
     trajectory_from_tag_text,
 )
 from trl_multiturn.trajectory import Trajectory
-
-from scripted import ScriptedLM
 
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
@@ -148,7 +147,7 @@ def test_inline_tag_problems_are_named(smollm2_tokenizer):
         trajectory_from_tag_text("Q", "<answer>a</answer> and more", tok)
     with pytest.raises(ValueError, match="after its last complete action"):
         trajectory_from_tag_text("Q", "I think it is Paris.", tok)
-    with pytest.raises(ValueError, match="TagProtocol"):
+    with pytest.raises(TypeError, match="TagProtocol"):
         trajectory_from_tag_text("Q", "<answer>a</answer>", tok, ChatToolProtocol())
 
 
@@ -188,7 +187,9 @@ def test_policy_trajectories_equal_an_rl_rollout(smollm2_tokenizer):
     rl = rollout.run(examples, TransformersGenerator(lm, tok), SamplingParams())
     rollout.close()
 
-    kept, fraction = trajectories_from_policy(examples, SearchLikeEnv, TagProtocol(), tok, expert, config, add_eos=False)
+    kept, fraction = trajectories_from_policy(
+        examples, SearchLikeEnv, TagProtocol(), tok, expert, config, add_eos=False
+    )
     assert fraction == 1.0 and len(kept) == 2
     for sft, ref in zip(kept, rl):
         assert sft.input_ids == ref.input_ids and sft.prompt_ids == ref.prompt_ids
@@ -226,7 +227,10 @@ def test_chat_tool_policy_equals_the_conversation(tool_tok):
         "It is 12.",
     ]
     (traj,), fraction = trajectories_from_policy(
-        [{"question": "What is (1+2)*4?"}], CalculatorEnv, ChatToolProtocol(), tok,
+        [{"question": "What is (1+2)*4?"}],
+        CalculatorEnv,
+        ChatToolProtocol(),
+        tok,
         lambda example, observations: turns[len(observations)],
     )
     assert fraction == 1.0 and traj.info["stop_reason"] == "answer"
@@ -235,6 +239,36 @@ def test_chat_tool_policy_equals_the_conversation(tool_tok):
     assert conversation.input_ids[:n] == traj.input_ids
     assert conversation.action_mask[: n - len(traj.prompt_ids)] == traj.action_mask
     assert tok.decode(conversation.input_ids[n:]) == "\n"  # the template's newline after the last EOS, mask 0
+
+
+def test_search_expert_trajectories_convert_identically(smollm2_tokenizer):
+    """The search expert's text (observations inline) and a replay of its actions through the environment agree."""
+    from trl_multiturn.search.data import build_offline_dataset
+    from trl_multiturn.search.environment import SearchEnvironment
+    from trl_multiturn.search.expert import build_expert_trajectories
+    from trl_multiturn.search.retrievers import BM25Retriever
+
+    tok, protocol = smollm2_tokenizer, TagProtocol()
+    kb = build_offline_dataset(num_entities=20, seed=0)
+    retriever = BM25Retriever(kb.corpus)
+    experts, stats = build_expert_trajectories(kb.train_rows[:6], retriever, seed=0, topk=3)
+    assert stats["kept"] >= 4
+    from_text = [trajectory_from_tag_text(t.prompt, t.to_text(), tok, protocol) for t in experts]
+    actions = {t.example["question"]: t.actions for t in experts}
+    replayed, fraction = trajectories_from_policy(
+        [t.example for t in experts],
+        lambda: SearchEnvironment(retriever, topk=3),
+        protocol,
+        tok,
+        lambda example, observations: actions[example["question"]][len(observations)],
+        RolloutConfig(max_turns=4, max_completion_length=2048),
+    )
+    assert fraction == 1.0
+    for a, b, expert_traj in zip(from_text, replayed, experts):
+        assert a.input_ids == b.input_ids and a.action_mask == b.action_mask
+        assert (
+            a.num_turns == len(expert_traj.turns) and a.info["final_answer"] == expert_traj.example["golden_answers"][0]
+        )
 
 
 class FlakyEnv(SearchLikeEnv):
@@ -259,7 +293,11 @@ def test_policy_rejection_and_kept_fraction(smollm2_tokenizer):
 
     modes = ["ok", "gives_up", "never_answers", "env_error", "ok"]
     kept, fraction = trajectories_from_policy(
-        [{"q": "x", "mode": m} for m in modes], FlakyEnv, TagProtocol(), tok, policy,
+        [{"q": "x", "mode": m} for m in modes],
+        FlakyEnv,
+        TagProtocol(),
+        tok,
+        policy,
         RolloutConfig(max_turns=3, max_completion_length=256, env_timeout=2.0),
     )
     assert fraction == 2 / 5 and len(kept) == 2
@@ -270,12 +308,19 @@ def test_policy_rejection_and_kept_fraction(smollm2_tokenizer):
 def sft_args(tmp_path, **overrides):
     from trl import SFTConfig
 
-    kw = dict(
-        output_dir=str(tmp_path / "sft"), per_device_train_batch_size=3, max_length=None, bf16=False,
-        report_to="none", save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
-    )
-    kw.update(overrides)
-    return SFTConfig(**kw)
+    kw = {
+        "output_dir": str(tmp_path / "sft"),
+        "per_device_train_batch_size": 3,
+        "max_length": None,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    return SFTConfig(**{**kw, **overrides})
 
 
 def hand_loss(model, trajectories: list[Trajectory]) -> torch.Tensor:
@@ -293,7 +338,11 @@ def hand_loss(model, trajectories: list[Trajectory]) -> torch.Tensor:
 
 def three_trajectories(tool_tok):
     single = trajectory_from_messages(CONVERSATION[:1] + [{"role": "assistant", "content": "It is 12."}], tool_tok)
-    return [single, trajectory_from_messages(CONVERSATION, tool_tok), trajectory_from_tag_text("Q?", TAG_TEXT, tool_tok)]
+    return [
+        single,
+        trajectory_from_messages(CONVERSATION, tool_tok),
+        trajectory_from_tag_text("Q?", TAG_TEXT, tool_tok),
+    ]
 
 
 def batch_for(trainer):
@@ -306,8 +355,9 @@ def test_sft_loss_is_the_token_mean_over_assistant_tokens(tmp_path, tool_tok, ti
 
     trajectories = three_trajectories(tool_tok)
     model = tiny_model_factory(seed=1)
-    trainer = SFTTrainer(model=model, args=sft_args(tmp_path), train_dataset=sft_dataset(trajectories),
-                         processing_class=tool_tok)
+    trainer = SFTTrainer(
+        model=model, args=sft_args(tmp_path), train_dataset=sft_dataset(trajectories), processing_class=tool_tok
+    )
     # TRL turned our masks into labels: the token where the mask is 1, -100 elsewhere
     for row, t in zip(trainer.train_dataset, trajectories):
         assert row["input_ids"] == t.input_ids
@@ -354,15 +404,29 @@ def test_single_turn_is_one_assistant_turn(tmp_path, tool_tok, tiny_model_factor
     assert traj.prompt_ids == list(tool_tok.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"])
     assert traj.completion_ids[: traj.num_action_tokens] == ids(tool_tok, "It is 12.") + [tool_tok.eos_token_id]
 
-    trl_single = SFTTrainer(
-        model=tiny_model_factory(), args=sft_args(tmp_path, completion_only_loss=True),
-        train_dataset=Dataset.from_list([{"prompt": prompt, "completion": completion}]), processing_class=tool_tok,
-    ).train_dataset[0]
+    model = tiny_model_factory()
+    trainer = SFTTrainer(
+        model=model,
+        args=sft_args(tmp_path, completion_only_loss=True),
+        train_dataset=Dataset.from_list([{"prompt": prompt, "completion": completion}]),
+        processing_class=tool_tok,
+    )
+    trl_single = trainer.train_dataset[0]
     assert trl_single["input_ids"] == traj.input_ids
     ours = [x if m else -100 for x, m in zip(traj.input_ids, [0] * len(traj.prompt_ids) + traj.action_mask)]
     # identical labels, except that TRL also supervises the template's newline after the EOS (never generated)
     assert trl_single["labels"][:-1] == ours[:-1]
     assert tool_tok.decode(traj.input_ids[-1:]) == "\n" and ours[-1] == -100
+
+    # the loss on our example is the classic one: -1/|y| sum_t log p(y_t | x, y_<t), y = answer + EOS
+    x, y = traj.prompt_ids, traj.completion_ids[: traj.num_action_tokens]
+    model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, trainer.data_collator([{"input_ids": traj.input_ids, "labels": ours}]))
+        logits = model(input_ids=torch.tensor([x + y])).logits[0].float()  # (|x| + |y|, V)
+        logp = torch.log_softmax(logits[len(x) - 1 : -1], -1)  # (|y|, V) predicts y
+        classic = -logp.gather(-1, torch.tensor(y)[:, None]).mean()
+    torch.testing.assert_close(loss, classic, rtol=1e-5, atol=1e-6)
 
 
 def test_packing_keeps_the_loss(tmp_path, tool_tok, tiny_model_factory):
@@ -378,27 +442,33 @@ def test_packing_keeps_the_loss(tmp_path, tool_tok, tiny_model_factory):
     assert "position_ids" in batch and batch["input_ids"].shape[1] == sum(len(t.input_ids) for t in trajectories)
     model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(trainer.compute_loss(model, dict(batch)), hand_loss(model, trajectories),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            trainer.compute_loss(model, dict(batch)), hand_loss(model, trajectories), rtol=1e-5, atol=1e-6
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- training
 def test_train_sft_short_run_learns(tmp_path, tool_tok, tiny_model_factory):
     from peft import LoraConfig
 
-    trajectories = three_trajectories(tool_tok) * 2
+    trajectories = three_trajectories(tool_tok)
     model = tiny_model_factory(seed=3)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    trainer = train_sft(model, tool_tok, trajectories, sft_args(tmp_path, max_steps=8, learning_rate=1e-2))
+    trainer = train_sft(model, tool_tok, trajectories, sft_args(tmp_path, max_steps=4, learning_rate=3e-2))
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0], losses
-    assert any(not torch.equal(v, dict(model.named_parameters())[k]) for k, v in before.items())
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses  # the same batch each step: loss goes down
+    assert all(not torch.equal(v, dict(model.named_parameters())[k]) for k, v in before.items())
 
-    # PEFT through SFTTrainer: only the adapter moves
-    trainer = train_sft(tiny_model_factory(seed=3), tool_tok, trajectories, sft_args(tmp_path, max_steps=2, learning_rate=1e-2),
-                        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    # PEFT through SFTTrainer: only the adapter trains
+    trainer = train_sft(
+        tiny_model_factory(seed=3),
+        tool_tok,
+        trajectories,
+        sft_args(tmp_path, max_steps=1),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     params = dict(trainer.model.named_parameters())
-    assert params and all(("lora_" in k) == p.requires_grad for k, p in params.items())
+    assert any("lora_" in k for k in params) and all(("lora_" in k) == p.requires_grad for k, p in params.items())
     assert any("lora_B" in k and p.abs().sum() > 0 for k, p in params.items())  # lora_B starts at zero
 
 
@@ -407,7 +477,9 @@ def test_bad_settings_are_named(tmp_path, tool_tok, tiny_model_factory):
     with pytest.raises(ValueError, match="assistant_only_loss"):
         train_sft(None, tool_tok, trajectories, sft_args(tmp_path, assistant_only_loss=True))
     with pytest.raises(ValueError, match="wrapped"):
-        train_sft(None, tool_tok, trajectories, sft_args(tmp_path, packing=True, max_length=512, packing_strategy="wrapped"))
+        train_sft(
+            None, tool_tok, trajectories, sft_args(tmp_path, packing=True, max_length=512, packing_strategy="wrapped")
+        )
     with pytest.raises(ValueError, match="max_length=16"):
         train_sft(None, tool_tok, trajectories, sft_args(tmp_path, max_length=16))
     with pytest.raises(ValueError, match="no trajectories"):

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +113,9 @@ def save_adapter(model, tokenizer, output_dir: str | os.PathLike, *, card: Model
     return out
 
 
-def merge_and_save(model, tokenizer, output_dir: str | os.PathLike, *, card: ModelCardInfo | Mapping | None = None) -> Path:
+def merge_and_save(
+    model, tokenizer, output_dir: str | os.PathLike, *, card: ModelCardInfo | Mapping | None = None
+) -> Path:
     """Merge the adapter into the base weights and save a plain transformers model (safetensors) with its tokenizer.
 
     The base must be in full precision (float32/bfloat16/float16): a 4-bit (QLoRA) base cannot hold merged weights.
@@ -203,10 +205,11 @@ def render_model_card(info: ModelCardInfo, *, plot_name: str | None = None, adap
     parts = [
         f"---\n{metadata}\n---",
         f"# {title}",
-        f"A {kind} for [{base_id}]({_hub_link(base_id)}), trained with multi-turn GRPO "
-        "(trl-multiturn, a plugin for TRL): the model writes reasoning "
-        "and actions, an environment answers with observations, and the whole trajectory is rewarded after its "
-        "last turn; only the tokens the model wrote carry loss.",
+        (
+            f"A {kind} for [{base_id}]({_hub_link(base_id)}), trained with multi-turn GRPO (trl-multiturn, a plugin "
+            "for TRL): the model writes reasoning and actions, an environment answers with observations, and the "
+            "whole trajectory is rewarded after its last turn; only the tokens the model wrote carry loss."
+        ),
     ]
     if info.description:
         parts.append(info.description.strip())
@@ -249,7 +252,16 @@ def _training_section(info: ModelCardInfo) -> str:
     config = config_as_dict(info.config)
     if config:
         dumped = yaml.safe_dump(config, sort_keys=True, default_flow_style=False).strip()
-        lines += ["", "<details><summary>Training configuration</summary>", "", "```yaml", dumped, "```", "", "</details>"]
+        lines += [
+            "",
+            "<details><summary>Training configuration</summary>",
+            "",
+            "```yaml",
+            dumped,
+            "```",
+            "",
+            "</details>",
+        ]
     return "\n".join(lines)
 
 
@@ -297,7 +309,7 @@ def _usage_section(info: ModelCardInfo, *, base_id: str, adapter: str, merged: b
     code = (
         load + f'tokenizer = AutoTokenizer.from_pretrained("{adapter}")\n\n'
         f'messages = [{{"role": "user", "content": {prompt}}}]\n'
-        "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+        'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", '
         "return_dict=True)\n"
         "output = model.generate(**inputs, max_new_tokens=128, do_sample=False)\n"
         'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))\n'

@@ -131,9 +131,11 @@ def tool_chat_template(training: bool = False) -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError("The package 'trl' is not installed. Install it with: pip install 'trl>=1.16,<1.17'")
     name = "qwen2_5_training.jinja" if training else "qwen2_5.jinja"
-    path = Path(list(spec.submodule_search_locations)[0]) / "chat_templates" / name
+    path = Path(next(iter(spec.submodule_search_locations))) / "chat_templates" / name
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed trl package; this project needs trl>=1.16,<1.17.")
+        raise FileNotFoundError(
+            f"{path} is missing from the installed trl package; this project needs trl>=1.16,<1.17."
+        )
     return path.read_text(encoding="utf-8").replace(_QWEN_SYSTEM_PROMPT, SMOLLM2_SYSTEM_PROMPT)
 
 
@@ -157,7 +159,9 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError("Reading SmolLM2's GGUF file needs the 'gguf' package. Install it with: pip install gguf")
+        raise ModuleNotFoundError(
+            "Reading SmolLM2's GGUF file needs the 'gguf' package. Install it with: pip install gguf"
+        )
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -188,7 +192,9 @@ def tiny_random_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, see
 
     num_heads = 4 if hidden_size % 4 == 0 else 1
     if hidden_size % num_heads or (hidden_size // num_heads) % 2:
-        raise ValueError(f"hidden_size={hidden_size} must be an even multiple of the head count {num_heads}; use e.g. 32.")
+        raise ValueError(
+            f"hidden_size={hidden_size} must be an even multiple of the head count {num_heads}; use e.g. 32."
+        )
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

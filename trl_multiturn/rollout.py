@@ -7,10 +7,29 @@ action mask 0. Sampled ids are appended exactly as sampled; nothing the policy p
 
 A trajectory ends when the action is a final answer, the environment says ``done``, or a limit is reached
 (``max_turns``, the token budget ``max_completion_length`` counted over actions AND observations, or the model's
-context); a trajectory that stops on a limit is marked ``truncated``. Environment calls of a batch run
-concurrently (sync ones in a thread pool, async ones on an event loop), each bounded by ``env_timeout``; an
-environment that raises or hangs ends its trajectory with the error recorded (``info["env_errors"]``,
-``info["failed"]=True``) and the rest of the batch goes on, unless ``raise_on_env_error`` is set.
+context); a trajectory that stops on a limit is marked ``truncated``. Environment calls run concurrently (sync ones
+in a thread pool, async ones on an event loop), each bounded by ``env_timeout``; an environment that raises or
+hangs ends its trajectory with the error recorded (``info["env_errors"]``, ``info["failed"]=True``) and the rest
+of the batch goes on, unless ``raise_on_env_error`` is set.
+
+Trajectories advance independently. With a streaming backend (``TransformersGenerator``: ``submit`` / ``step``) the
+main thread steps generation token by token; a trajectory whose turn ended leaves the batch and its ``env.step``
+starts at once in the environment pool, while the others keep generating; when its observation is ready it rejoins
+the batch at the next token, with only the new tokens prefilled (its K/V stay in its ``GenerationSession``).
+Departure from TRL 1.16, whose tool loop runs turns in lock step: every trajectory of a turn waits for the slowest
+generation, then the tools run one after the other, then the next turn re-prefills every history. Backends without
+``submit`` (vLLM, scripted test backends) get one ``generate`` call per turn for the trajectories still running,
+with the environment steps of a turn run concurrently; a backend that sets ``requires_collective_calls`` (vLLM
+across ranks) gets exactly ``max_turns`` calls, with an empty batch once this rank has no trajectory left.
+
+Sampling is per trajectory (each ``GenerationSession`` has its own seed, drawn in trajectory order), so neither
+the order in which environments answer nor the batch a row shares changes the ids of a trajectory; with greedy
+decoding the ids equal those of the reference loop (``TransformersGenerator(kv_reuse=False)``), which tests prove.
+
+``last_stats`` after ``run``: ``prefill_tokens`` (context tokens computed before sampling, all turns),
+``cached_tokens`` (context tokens whose K/V were reused), ``generated_tokens``, ``observation_tokens``,
+``turns``, ``env_time_s`` (wall time the loop was blocked on environments: resets, and steps while nothing could
+be generated), ``env_busy_s`` (sum of the durations of every environment call), ``generation_s`` and ``wall_s``.
 """
 
 from __future__ import annotations
@@ -21,8 +40,8 @@ import json
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .environment import Action, Step
@@ -38,7 +57,11 @@ class EnvironmentError_(RuntimeError):
 
 
 class _EnvRunner:
-    """Runs a batch of environment calls concurrently with a timeout each, on a private event loop thread."""
+    """Runs environment calls concurrently with a timeout each, on a private event loop thread.
+
+    ``submit`` starts one call and returns a ``concurrent.futures.Future`` of ``(result, error, seconds)``; ``run``
+    starts a batch and waits for all of it. A call's own exception or timeout is returned as ``error``, never raised.
+    """
 
     def __init__(self, max_workers: int = 64):
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="env")
@@ -46,30 +69,39 @@ class _EnvRunner:
         self._thread = threading.Thread(target=self._loop.run_forever, name="env-loop", daemon=True)
         self._thread.start()
 
-    def run(self, calls: list[tuple[Callable, tuple]], timeout: float | None) -> list[tuple[Any, BaseException | None]]:
-        """Call each ``fn(*args)``; returns ``(result, error)`` pairs in order. Never raises for a call's error."""
+    async def _call(self, fn: Callable, args: tuple, timeout: float | None):
+        start = time.perf_counter()
+        if inspect.iscoroutinefunction(fn):
+            aw = fn(*args)
+        else:
+            aw = self._loop.run_in_executor(self._pool, lambda: fn(*args))
+        try:
+            result = await asyncio.wait_for(aw, timeout)
+            if inspect.isawaitable(result):  # a sync wrapper that returned a coroutine
+                result = await asyncio.wait_for(result, timeout)
+            return result, None, time.perf_counter() - start
+        except asyncio.TimeoutError:
+            return None, TimeoutError(f"timed out after env_timeout={timeout} s"), time.perf_counter() - start
+        except Exception as exc:  # an environment's own failure: recorded, not fatal
+            return None, exc, time.perf_counter() - start
 
-        async def one(fn, args):
-            if inspect.iscoroutinefunction(fn):
-                aw = fn(*args)
-            else:
-                aw = self._loop.run_in_executor(self._pool, lambda: fn(*args))
-            try:
-                result = await asyncio.wait_for(aw, timeout)
-                if inspect.isawaitable(result):  # a sync wrapper that returned a coroutine
-                    result = await asyncio.wait_for(result, timeout)
-                return result, None
-            except asyncio.TimeoutError:
-                return None, TimeoutError(f"timed out after env_timeout={timeout} s")
-            except Exception as exc:  # an environment's own failure: recorded, not fatal
-                return None, exc
+    def submit(self, fn: Callable, args: tuple, timeout: float | None) -> Future:
+        """Start ``fn(*args)`` now; the future resolves to ``(result, error, seconds)``."""
+        return asyncio.run_coroutine_threadsafe(self._call(fn, args, timeout), self._loop)
 
-        async def all_calls():
-            return await asyncio.gather(*(one(fn, args) for fn, args in calls))
-
+    def run_timed(self, calls: list[tuple[Callable, tuple]], timeout: float | None) -> list[tuple[Any, BaseException | None, float]]:
+        """Call each ``fn(*args)`` concurrently; returns ``(result, error, seconds)`` in order."""
         if not calls:
             return []
+
+        async def all_calls():
+            return await asyncio.gather(*(self._call(fn, args, timeout) for fn, args in calls))
+
         return asyncio.run_coroutine_threadsafe(all_calls(), self._loop).result()
+
+    def run(self, calls: list[tuple[Callable, tuple]], timeout: float | None) -> list[tuple[Any, BaseException | None]]:
+        """Call each ``fn(*args)``; returns ``(result, error)`` pairs in order. Never raises for a call's error."""
+        return [(result, err) for result, err, _ in self.run_timed(calls, timeout)]
 
     def close(self):
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -101,6 +133,22 @@ def _observation_text(obs: Any) -> tuple[str, str | None]:
     return text, f"observation is not a string (got {type(obs).__name__}); converted to text"
 
 
+@dataclass
+class _Run:
+    """The state of one ``run`` call: trajectories, environments and counters."""
+
+    trajs: list[Trajectory]
+    envs: list[Any]
+    done: list[bool]
+    turn_capped: dict[int, bool] = field(default_factory=dict)
+    env_s: list[float] = field(default_factory=list)  # per trajectory: seconds in its environment calls
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    env_blocked_s: float = 0.0
+    generation_s: float = 0.0
+
+
 class MultiTurnRollout:
     """Runs trajectories for a batch of dataset rows.
 
@@ -119,6 +167,7 @@ class MultiTurnRollout:
         self.tokenizer = tokenizer
         self.config = config
         self._runner = _EnvRunner()
+        self.last_stats: dict[str, float] = {}
 
     def close(self):
         self._runner.close()
@@ -131,18 +180,19 @@ class MultiTurnRollout:
             raise EnvironmentError_(f"Environment {what} for example {example_index} failed: {err}") from err
         logger.warning("Environment %s for example %d failed (trajectory dropped): %s", what, example_index, err)
 
+    # ------------------------------------------------------------------ entry point
     def run(self, examples: list[dict], generator, sampling: SamplingParams) -> list[Trajectory]:
         """Roll out one trajectory per row of ``examples`` with ``generator`` (a generation backend)."""
         cfg, tok, protocol = self.config, self.tokenizer, self.protocol
         sampling = SamplingParams(**{**sampling.__dict__, "stop_strings": tuple(protocol.stop_strings)})
+        wall0 = time.perf_counter()
         envs = [self.env_factory() for _ in examples]
         t0 = time.perf_counter()
-        resets = self._runner.run([(env.reset, (ex,)) for env, ex in zip(envs, examples)], cfg.env_timeout)
-        env_time = time.perf_counter() - t0
+        resets = self._runner.run_timed([(env.reset, (ex,)) for env, ex in zip(envs, examples)], cfg.env_timeout)
+        st = _Run(trajs=[], envs=envs, done=[], env_blocked_s=time.perf_counter() - t0)
+        st.env_s = [seconds for _, _, seconds in resets]
 
-        trajs: list[Trajectory] = []
-        done: list[bool] = []
-        for i, ((prompt, err), env) in enumerate(zip(resets, envs)):
+        for i, ((prompt, err, _), env) in enumerate(zip(resets, envs)):
             if err is None:
                 try:
                     ids = protocol.prompt_ids(tok, prompt, tools=getattr(env, "tools", None))
@@ -152,91 +202,24 @@ class MultiTurnRollout:
                 traj = Trajectory(prompt_ids=[tok.eos_token_id])
                 self._fail(traj, "reset", err, i)
                 traj.info["stop_reason"] = "reset_error"
-                trajs.append(traj)
-                done.append(True)
+                st.trajs.append(traj)
+                st.done.append(True)
                 continue
             if cfg.max_context_length is not None and len(ids) >= cfg.max_context_length:
                 raise ValueError(
                     f"Example {i}: the prompt is {len(ids)} tokens, not shorter than the model context "
                     f"max_context_length={cfg.max_context_length}. Shorten the prompt or filter the dataset."
                 )
-            trajs.append(Trajectory(prompt_ids=ids, info={"actions": [], "stop_reason": None}))
-            done.append(False)
+            st.trajs.append(Trajectory(prompt_ids=ids, info={"actions": [], "stop_reason": None}))
+            st.done.append(False)
 
-        prefill_tokens = 0
-        for _turn in range(cfg.max_turns):
-            active = [i for i, d in enumerate(done) if not d]
-            if not active:
-                break
-            budgets = []
-            for i in active:
-                t = trajs[i]
-                budget = cfg.max_completion_length - len(t.completion_ids)
-                if cfg.max_tokens_per_turn is not None:
-                    budget = min(budget, cfg.max_tokens_per_turn)
-                if cfg.max_context_length is not None:
-                    budget = min(budget, cfg.max_context_length - len(t.prompt_ids) - len(t.completion_ids))
-                budgets.append(budget)
-            # the per-turn cap ends a turn, not the trajectory: only the overall budget truncates
-            turn_capped = {
-                i: cfg.max_tokens_per_turn is not None and b == cfg.max_tokens_per_turn
-                for i, b in zip(active, budgets)
-            }
-            runnable = [(i, b) for i, b in zip(active, budgets) if b > 0]
-            for i, b in zip(active, budgets):
-                if b <= 0:
-                    trajs[i].truncated, trajs[i].info["stop_reason"], done[i] = True, "max_tokens", True
-            if not runnable:
-                break
-            outs = generator.generate(
-                [trajs[i].input_ids for i, _ in runnable], [b for _, b in runnable], sampling
-            )
-            stepping: list[tuple[int, Action]] = []
-            for (i, _), out in zip(runnable, outs):
-                t = trajs[i]
-                prefill_tokens += out.prefill_tokens
-                t.add_action(out.ids, out.logprobs)
-                text = tok.decode(out.ids, skip_special_tokens=True)
-                action = protocol.parse(text, finished_by_eos=out.finish_reason == "eos")
-                t.info["actions"].append(action.kind)
-                if out.finish_reason == "length" and not turn_capped[i]:
-                    # The action was cut by the trajectory's token budget: nothing left to execute.
-                    t.truncated, t.info["stop_reason"], done[i] = True, "max_tokens", True
-                    continue
-                if action.kind == "answer":
-                    t.info["final_answer"] = action.content
-                stepping.append((i, action))
+        if getattr(generator, "supports_streaming", False) and callable(getattr(generator, "submit", None)):
+            self._run_streaming(st, generator, sampling)
+        else:
+            self._run_lockstep(st, generator, sampling)
 
-            t0 = time.perf_counter()
-            results = self._runner.run([(envs[i].step, (a,)) for i, a in stepping], cfg.env_timeout)
-            env_time += time.perf_counter() - t0
-            for (i, action), (step, err) in zip(stepping, results):
-                t = trajs[i]
-                if err is None and not isinstance(step, Step):
-                    err = TypeError(f"step() must return a Step, got {type(step).__name__}")
-                if err is not None:
-                    self._fail(t, "step", err, i)
-                    t.info["stop_reason"], done[i] = "env_error", True
-                    continue
-                t.turn_rewards[-1] = float(step.reward)
-                if step.info:
-                    t.info.setdefault("step_info", []).append(step.info)
-                if action.kind == "answer" or step.done:
-                    t.info["stop_reason"], done[i] = ("answer" if action.kind == "answer" else "done"), True
-                    continue
-                text, problem = _observation_text(step.observation)
-                if problem:
-                    t.info.setdefault("observation_problems", []).append(problem)
-                obs_ids, record = protocol.observation_ids(tok, text, action)
-                for key, flag in record.items():
-                    if flag:
-                        t.info[key] = t.info.get(key, 0) + 1
-                if len(t.completion_ids) + len(obs_ids) >= cfg.max_completion_length:
-                    t.truncated, t.info["stop_reason"], done[i] = True, "max_tokens", True
-                    continue
-                t.add_observation(obs_ids)
-
-        for i, d in enumerate(done):
+        trajs = st.trajs
+        for i, d in enumerate(st.done):
             if not d:
                 trajs[i].truncated, trajs[i].info["stop_reason"] = True, "max_turns"
         for t in trajs:
@@ -244,7 +227,166 @@ class MultiTurnRollout:
                 t.add_observation([tok.eos_token_id])
         closers = [(env.close, ()) for env in envs if callable(getattr(env, "close", None))]
         self._runner.run(closers, cfg.env_timeout)
-        for t in trajs:
-            t.info["env_time_s"] = env_time / max(len(trajs), 1)
-        self.last_stats = {"prefill_tokens": prefill_tokens, "env_time_s": env_time}
+        for t, seconds in zip(trajs, st.env_s):
+            t.info["env_time_s"] = seconds
+        self.last_stats = {
+            "prefill_tokens": st.prefill_tokens,
+            "cached_tokens": st.cached_tokens,
+            "generated_tokens": st.generated_tokens,
+            "observation_tokens": sum(t.num_observation_tokens for t in trajs),
+            "turns": sum(t.num_turns for t in trajs),
+            "env_time_s": st.env_blocked_s,
+            "env_busy_s": sum(st.env_s),
+            "generation_s": st.generation_s,
+            "wall_s": time.perf_counter() - wall0,
+        }
         return trajs
+
+    # ------------------------------------------------------------------ one trajectory's turn
+    def _turn_budget(self, st: _Run, i: int) -> int | None:
+        """Token budget of trajectory i's next turn, or None when a limit ends it (marked on the trajectory)."""
+        cfg, t = self.config, st.trajs[i]
+        if t.num_turns >= cfg.max_turns:
+            st.done[i], t.truncated, t.info["stop_reason"] = True, True, "max_turns"
+            return None
+        budget = cfg.max_completion_length - len(t.completion_ids)
+        if cfg.max_tokens_per_turn is not None:
+            budget = min(budget, cfg.max_tokens_per_turn)
+        if cfg.max_context_length is not None:
+            budget = min(budget, cfg.max_context_length - len(t.prompt_ids) - len(t.completion_ids))
+        # the per-turn cap ends a turn, not the trajectory: only the overall budget truncates
+        st.turn_capped[i] = cfg.max_tokens_per_turn is not None and budget == cfg.max_tokens_per_turn
+        if budget <= 0:
+            st.done[i], t.truncated, t.info["stop_reason"] = True, True, "max_tokens"
+            return None
+        return budget
+
+    def _end_turn(self, st: _Run, i: int, out) -> Action | None:
+        """Append a sampled turn; returns the action for the environment, or None when the trajectory ended."""
+        t = st.trajs[i]
+        st.prefill_tokens += out.prefill_tokens
+        st.cached_tokens += getattr(out, "cached_tokens", 0)
+        st.generated_tokens += len(out.ids)
+        t.add_action(out.ids, out.logprobs)
+        text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
+        action = self.protocol.parse(text, finished_by_eos=out.finish_reason == "eos")
+        t.info["actions"].append(action.kind)
+        if out.finish_reason == "length" and not st.turn_capped[i]:
+            # The action was cut by the trajectory's token budget: nothing left to execute.
+            t.truncated, t.info["stop_reason"], st.done[i] = True, "max_tokens", True
+            return None
+        if action.kind == "answer":
+            t.info["final_answer"] = action.content
+        return action
+
+    def _apply_step(self, st: _Run, i: int, action: Action, step: Any, err: BaseException | None) -> bool:
+        """Record the environment's answer to trajectory i's action; True when the trajectory goes on."""
+        t, cfg = st.trajs[i], self.config
+        if err is None and not isinstance(step, Step):
+            err = TypeError(f"step() must return a Step, got {type(step).__name__}")
+        if err is not None:
+            self._fail(t, "step", err, i)
+            t.info["stop_reason"], st.done[i] = "env_error", True
+            return False
+        t.turn_rewards[-1] = float(step.reward)
+        if step.info:
+            t.info.setdefault("step_info", []).append(step.info)
+        if action.kind == "answer" or step.done:
+            t.info["stop_reason"], st.done[i] = ("answer" if action.kind == "answer" else "done"), True
+            return False
+        text, problem = _observation_text(step.observation)
+        if problem:
+            t.info.setdefault("observation_problems", []).append(problem)
+        obs_ids, record = self.protocol.observation_ids(self.tokenizer, text, action)
+        for key, flag in record.items():
+            if flag:
+                t.info[key] = t.info.get(key, 0) + 1
+        if len(t.completion_ids) + len(obs_ids) >= cfg.max_completion_length:
+            t.truncated, t.info["stop_reason"], st.done[i] = True, "max_tokens", True
+            return False
+        t.add_observation(obs_ids)
+        return True
+
+    # ------------------------------------------------------------------ loops
+    def _run_streaming(self, st: _Run, generator, sampling: SamplingParams) -> None:
+        """Independent trajectories: generation steps token by token in this thread; finished turns' environment
+        steps run in the pool meanwhile; a trajectory rejoins generation as soon as its observation is appended."""
+        cfg = self.config
+        sessions = [generator.new_session() for _ in st.trajs]  # seeds drawn in trajectory order
+        pending: dict[Future, tuple[int, Action]] = {}
+
+        def start_turn(i: int) -> None:
+            budget = self._turn_budget(st, i)
+            if budget is None:
+                sessions[i].drop()
+            else:
+                generator.submit(i, st.trajs[i].input_ids, budget, sampling, session=sessions[i])
+
+        try:
+            for i, d in enumerate(st.done):
+                if not d:
+                    start_turn(i)
+            while True:
+                for future in [f for f in pending if f.done()]:
+                    i, action = pending.pop(future)
+                    step, err, seconds = future.result()
+                    st.env_s[i] += seconds
+                    if self._apply_step(st, i, action, step, err):
+                        start_turn(i)
+                    else:
+                        sessions[i].drop()
+                if generator.has_work:
+                    t0 = time.perf_counter()
+                    finished = generator.step()
+                    st.generation_s += time.perf_counter() - t0
+                    for i, out in finished:
+                        action = self._end_turn(st, i, out)
+                        if action is None:
+                            sessions[i].drop()
+                        else:
+                            pending[self._runner.submit(st.envs[i].step, (action,), cfg.env_timeout)] = (i, action)
+                    continue
+                if not pending:
+                    break
+                t0 = time.perf_counter()
+                wait(list(pending), return_when=FIRST_COMPLETED)
+                st.env_blocked_s += time.perf_counter() - t0
+        finally:
+            if generator.has_work:
+                generator.cancel()
+            for session in sessions:
+                session.drop()
+
+    def _run_lockstep(self, st: _Run, generator, sampling: SamplingParams) -> None:
+        """One ``generate`` call per turn for the trajectories still running, then their environment steps together."""
+        cfg = self.config
+        collective = bool(getattr(generator, "requires_collective_calls", False))
+        params = inspect.signature(generator.generate).parameters
+        sessions = None
+        if "sessions" in params and callable(getattr(generator, "new_session", None)):
+            sessions = [generator.new_session() for _ in st.trajs]
+        for _turn in range(cfg.max_turns):
+            runnable = []
+            for i, d in enumerate(st.done):
+                if not d and (budget := self._turn_budget(st, i)) is not None:
+                    runnable.append((i, budget))
+            if not runnable and not collective:
+                break
+            kwargs = {"sessions": [sessions[i] for i, _ in runnable]} if sessions is not None else {}
+            t0 = time.perf_counter()
+            outs = generator.generate([st.trajs[i].input_ids for i, _ in runnable], [b for _, b in runnable], sampling, **kwargs)
+            st.generation_s += time.perf_counter() - t0
+            stepping: list[tuple[int, Action]] = []
+            for (i, _), out in zip(runnable, outs):
+                action = self._end_turn(st, i, out)
+                if action is not None:
+                    stepping.append((i, action))
+            t0 = time.perf_counter()
+            results = self._runner.run_timed([(st.envs[i].step, (a,)) for i, a in stepping], cfg.env_timeout)
+            st.env_blocked_s += time.perf_counter() - t0
+            for (i, action), (step, err, seconds) in zip(stepping, results):
+                st.env_s[i] += seconds
+                self._apply_step(st, i, action, step, err)
+        if sessions is not None:
+            for session in sessions:
+                session.drop()

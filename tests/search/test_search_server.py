@@ -154,7 +154,7 @@ def test_command_line_serves_a_corpus(tmp_path):
                 break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise AssertionError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+                    raise AssertionError(f"server did not start: {proc.stderr.read().decode()[-2000:]}") from None
                 time.sleep(0.1)
         assert status == 200 and body["result"][0][0]["id"] == "1"
     finally:

@@ -271,7 +271,7 @@ def document_from_api(item: Any) -> Document:
     Accepts ``{"document": {"id", "contents"}, "score"}`` (``return_scores=true``) and a bare document dict;
     documents with ``title``/``text`` fields instead of ``contents`` are accepted too.
     """
-    from .corpus import parse_contents
+    from .corpus import parse_contents  # corpus imports Document from here: a module-level import would be circular
 
     if not isinstance(item, dict):
         raise ValueError(f"expected a JSON object per result, got {type(item).__name__}: {str(item)[:80]!r}")
@@ -310,6 +310,9 @@ class HTTPRetriever:
         batch_window_s: calls from several threads arriving within this window are merged into one request
             (0 disables merging: each call is its own request).
         max_batch_queries: the most queries one request carries; a larger merged batch is split.
+        use_env_proxy: route requests through the ``http_proxy``/``https_proxy`` of the environment. Off by
+            default: a retrieval server sits on the cluster network, and a proxy meant for the internet would
+            intercept (or refuse) requests to it.
 
     ``stats`` counts ``requests`` (HTTP attempts), ``retries``, ``failures`` (calls that raised) and ``calls``.
     """
@@ -324,6 +327,7 @@ class HTTPRetriever:
         max_backoff_s: float = 8.0,
         batch_window_s: float = 0.01,
         max_batch_queries: int = 256,
+        use_env_proxy: bool = False,
     ) -> None:
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -347,6 +351,8 @@ class HTTPRetriever:
         self._lock = threading.Lock()
         self._queue: list[_Pending] = []
         self._leader_waiting = False
+        handlers = [] if use_env_proxy else [urllib.request.ProxyHandler({})]
+        self._opener = urllib.request.build_opener(*handlers)
 
     # ----- public -----
     def retrieve(self, queries: list[str], k: int) -> list[list[Document]]:
@@ -437,7 +443,7 @@ class HTTPRetriever:
         with self._lock:
             self.stats["requests"] += 1
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with self._opener.open(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read(500).decode("utf-8", "replace") if e.fp is not None else ""

@@ -1,0 +1,20 @@
+"""Set-up of the reliability suite: one CPU thread for torch while these tests run.
+
+The suite trains tiny models through the real trainer and runs training subprocesses side by side. On a small
+shared machine several OpenMP threads per process spin against each other (a tiny step measured ~9x slower with two
+threads than with one under load), so every test here runs with one thread and the previous setting is restored.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """torch.set_num_threads(1) for each module of the reliability suite (module scope, so that module-scoped training runs get it too)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,153 @@
+"""The documentation runs: the quickstart notebook, the pg_loss script, the configuration reference and every
+code block of docs/*.md that is marked as runnable.
+
+Convention for runnable blocks in docs/*.md: a fenced ```python block whose previous non-blank line is exactly
+``<!-- runnable -->``. The runnable blocks of one page run in order in one namespace (a later block may use what an
+earlier one defined), in a temporary working directory. A runnable block may be followed by a fenced ```text block
+whose previous non-blank line is ``<!-- expected-output -->``: the block's printed output must then equal it
+(trailing whitespace ignored), so that numbers quoted in the docs are the numbers the code prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOCS = REPO_ROOT / "docs"
+RUNNABLE = "<!-- runnable -->"
+EXPECTED = "<!-- expected-output -->"
+_FENCE = re.compile(r"^```(\w*)\s*$")
+
+
+def _load_script(name: str):
+    path = DOCS / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"docs_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_blocks(text: str) -> list[dict]:
+    """Fenced blocks of a Markdown text: ``{"lang", "code", "line", "marker"}`` (marker: the previous non-blank line)."""
+    lines = text.splitlines()
+    blocks, i, previous = [], 0, ""
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if match is None:
+            if lines[i].strip():
+                previous = lines[i].strip()
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i])
+            i += 1
+        blocks.append({"lang": match.group(1), "code": "\n".join(body) + "\n", "line": start + 1, "marker": previous})
+        previous = "```"
+        i += 1
+    return blocks
+
+
+def runnable_blocks(path: Path) -> list[dict]:
+    """The runnable python blocks of a page, each with the expected output that follows it (or None)."""
+    blocks = parse_blocks(path.read_text(encoding="utf-8"))
+    out = []
+    for k, block in enumerate(blocks):
+        if block["lang"] != "python" or block["marker"] != RUNNABLE:
+            continue
+        nxt = blocks[k + 1] if k + 1 < len(blocks) else None
+        expected = nxt["code"] if nxt is not None and nxt["marker"] == EXPECTED and nxt["lang"] == "text" else None
+        out.append({**block, "expected": expected})
+    return out
+
+
+PAGES_WITH_RUNNABLE_BLOCKS = sorted(p.name for p in DOCS.glob("*.md") if runnable_blocks(p))
+
+
+def test_the_runnable_convention_is_used():
+    assert len(PAGES_WITH_RUNNABLE_BLOCKS) >= 3, PAGES_WITH_RUNNABLE_BLOCKS
+    sample = "text\n\n<!-- runnable -->\n```python\nprint(1)\n```\n<!-- expected-output -->\n```text\n1\n```\n"
+    (block,) = [b for b in parse_blocks(sample) if b["lang"] == "python"]
+    assert block["marker"] == RUNNABLE and block["code"] == "print(1)\n"
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_RUNNABLE_BLOCKS)
+def test_runnable_blocks(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": f"docs_{page.removesuffix('.md')}"}
+    for block in runnable_blocks(DOCS / page):
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            try:
+                exec(compile(block["code"], f"docs/{page}:{block['line']}", "exec"), namespace)  # noqa: S102
+            except Exception as exc:  # name the block in the failure
+                raise AssertionError(f"docs/{page}, block at line {block['line']} raised {exc!r}") from exc
+        if block["expected"] is not None:
+            got = [line.rstrip() for line in stdout.getvalue().rstrip().splitlines()]
+            want = [line.rstrip() for line in block["expected"].rstrip().splitlines()]
+            assert got == want, f"docs/{page}, block at line {block['line']}: printed output differs from the page"
+
+
+def test_configuration_reference_is_up_to_date():
+    gen = _load_script("gen_config_reference")
+    current = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    assert current == gen.render(), "docs/configuration.md is stale: run python docs/scripts/gen_config_reference.py"
+    for name in ("max_turns", "loss_aggregation", "prompts_per_rollout", "mini_batch_size", "num_generations"):
+        assert f"| `{name}` |" in current
+
+
+def test_pg_loss_zero_script_fast(tmp_path):
+    """docs/scripts/pg_loss_zero.py in its fast mode: its own checks pass, and the claims of the page hold."""
+    import torch
+
+    script = _load_script("pg_loss_zero")
+    threads = torch.get_num_threads()
+    try:
+        results = script.main(["--fast", "--out", str(tmp_path / "pg.png"), "--json", str(tmp_path / "pg.json")])
+    finally:
+        torch.set_num_threads(threads)
+    one, several = results[script.ONE], results[script.SEVERAL]
+    # one mini-batch per rollout: pg_loss is 0 (float32 rounding) at every step, ratio 1, gradient not 0
+    assert all(abs(r["pg_loss"]) < 1e-5 and abs(r["ratio_mean"] - 1) < 1e-6 for r in one), one
+    assert all(r["grad_norm"] > 1e-3 for r in one), one
+    # several mini-batches: the first step of a rollout is on-policy (0), the later ones are not
+    assert abs(several[0]["pg_loss"]) < 1e-5 and several[0]["step_in_rollout"] == 1
+    assert any(abs(r["pg_loss"]) > 1e-4 for r in several[1:]), several
+    assert (tmp_path / "pg.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "pg.json").read_text())[script.ONE][0]["step"] == 1
+
+
+def test_quickstart_notebook_executes(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:
+        pytest.skip("no 'python3' Jupyter kernel is installed (pip install ipykernel)")
+    # the kernel spec launches `python`: make it this interpreter, whatever PATH the tests were started with
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    nb = nbformat.read(DOCS / "notebooks" / "quickstart.ipynb", as_version=4)
+    assert any("MultiTurnGRPOTrainer" in cell.source for cell in nb.cells if cell.cell_type == "code")
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    outputs = "".join(
+        out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
+        for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
+    )
+    assert "loss/pg_loss" in outputs and "grad_norm" in outputs  # the metrics table was shown
+    assert "policy (mask 1)" in outputs and "env    (mask 0)" in outputs  # and a trajectory with its mask
