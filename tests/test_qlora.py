@@ -62,7 +62,7 @@ def rollout_then_lora_grads(model, ids):
     """What GRPO does: generate in eval mode without gradients, then a training forward and backward."""
     model.eval()
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=3, do_sample=False)
+        model.generate(ids, max_new_tokens=2, do_sample=False)
     model.train()
     model.zero_grad()
     model(ids, labels=ids).loss.backward()

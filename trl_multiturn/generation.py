@@ -192,6 +192,10 @@ class _StopChecker:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+#: rows that start a trajectory share their common prefix's K/V when it is at least this long
+_MIN_SHARED_PREFIX = 16
+
+
 def _supports_kv_reuse(model) -> bool:
     """True for transformers models whose decoder layers are all full attention (their K/V can be split by row)."""
     from transformers import PreTrainedModel
@@ -352,6 +356,7 @@ class TransformersGenerator:
             "prefill_tokens": 0,  # real context tokens computed by prefill forwards
             "prefill_positions": 0,  # prefill query positions computed, padding included
             "cached_tokens": 0,  # context tokens whose K/V came from a session
+            "shared_prefix_tokens": 0,  # context tokens not computed because rows shared a common prefix
             "decode_positions": 0,  # decode query positions computed (one per running row and step)
             "decode_steps": 0,
             "prefill_calls": 0,
@@ -504,6 +509,7 @@ class TransformersGenerator:
         p_j = max(t_j - Q, 0) cached tokens, right-aligned at column P = max_j p_j.
         """
         device = next(self.model.parameters()).device
+        shared = self._share_prefix(requests, device)
         usable = [r.session.usable_prefix(r.context) for r in requests]
         q = max(len(r.context) - c for r, c in zip(requests, usable))
         past = [max(len(r.context) - q, 0) for r in requests]
@@ -521,6 +527,10 @@ class TransformersGenerator:
             position_ids[row, q - len(fed) :] = torch.arange(pj, t)
             r.length = t
             r.output.prefill_tokens, r.output.cached_tokens = len(fed), pj
+        if shared is not None:  # the row that paid for the shared prefix computed it, the others reused it
+            leader, n = shared
+            leader.output.prefill_tokens += n
+            leader.output.cached_tokens -= n
         reserve = min(max(r.max_new_tokens for r in requests), 1024) + 1
         layers = self._past_layers(requests, past, p, q + reserve) if p > 0 else None
         if layers is None:
@@ -541,6 +551,42 @@ class TransformersGenerator:
         self.stats["prefill_tokens"] += sum(len(r.context) - pj for r, pj in zip(requests, past))
         self.stats["cached_tokens"] += sum(past)
         return _Batch(rows=list(requests), layers=layers, attention=attention.to(device), logits=out.logits[:, -1, :].float())
+
+    @torch.no_grad()
+    def _share_prefix(self, requests: list[_Request], device) -> tuple[_Request, int] | None:
+        """Rows with nothing cached that start with the same ids (the system prompt and tool schema, the G copies
+        of a GRPO prompt) get the K/V of their longest common prefix from one forward of batch size 1."""
+        fresh = [r for r in requests if r.session.usable_prefix(r.context) == 0]
+        if len(fresh) < 2:
+            return None
+        first = fresh[0].context
+        n = min(len(r.context) for r in fresh) - 1
+        for r in fresh[1:]:
+            ctx = r.context
+            if ctx[:n] != first[:n]:
+                n = next(i for i, (a, b) in enumerate(zip(first[:n], ctx[:n])) if a != b)
+        if n < _MIN_SHARED_PREFIX:
+            return None
+        layers = [_BufferLayer() for _ in range(self._num_layers())]
+        t0 = time.perf_counter()
+        self.model(
+            input_ids=torch.tensor([first[:n]], dtype=torch.long, device=device),
+            attention_mask=torch.ones((1, n), dtype=torch.long, device=device),
+            position_ids=torch.arange(n, device=device).unsqueeze(0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{_CACHE_KWARG: _make_cache(layers)},
+        )
+        self.stats["forward_s"] += time.perf_counter() - t0
+        self.stats["prefill_calls"] += 1
+        self.stats["prefill_positions"] += n
+        self.stats["prefill_tokens"] += n
+        self.stats["shared_prefix_tokens"] += n * (len(fresh) - 1)
+        self.stats["cached_tokens"] -= n  # counted again as cached for every row by _prefill
+        kv = [(layer.keys, layer.values) for layer in layers]  # (1, H, n, D) each, shared read-only by the rows
+        for r in fresh:
+            r.session.kv, r.session.cached_ids = kv, list(first[:n])
+        return fresh[0], n
 
     def _num_layers(self) -> int:
         base = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
@@ -634,6 +680,12 @@ class TransformersGenerator:
             r.length += 1
         batch.logits = out.logits[:, -1, :].float()  # (A, V)
 
+    @staticmethod
+    def _rng_of(session: GenerationSession) -> torch.Generator:
+        if session.rng is None:
+            session.rng = torch.Generator().manual_seed(session.seed if session.seed is not None else 0)
+        return session.rng
+
     def _sample(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token and its log-prob for every row of ``batch``: (A,), (A,)."""
         params = self._params
@@ -646,14 +698,14 @@ class TransformersGenerator:
         else:
             scaled = logits / max(params.temperature, 1e-6)  # (A, V)
             logp = torch.log_softmax(scaled, dim=-1)  # (A, V)
-            probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p), dim=-1).cpu()  # (A, V)
-            picks = []
-            for a, row in enumerate(batch.rows):
-                session = row.session
-                if session.rng is None:
-                    session.rng = torch.Generator().manual_seed(session.seed if session.seed is not None else 0)
-                picks.append(int(torch.multinomial(probs[a], 1, generator=session.rng)))
-            next_ids = torch.tensor(picks, dtype=torch.long, device=logits.device)  # (A,)
+            probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p), dim=-1)  # (A, V)
+            cdf = probs.double().cumsum(dim=-1)  # (A, V)
+            # inverse-CDF sampling with one uniform per row from the row's own stream: u in (0, 1] never lands on a
+            # zero-probability token (its CDF step is empty)
+            u = torch.tensor([1.0 - float(torch.rand(1, generator=self._rng_of(r.session), dtype=torch.float64))
+                              for r in batch.rows], dtype=torch.float64, device=cdf.device)  # (A,)
+            u = (u * cdf[:, -1]).unsqueeze(-1)  # (A, 1)
+            next_ids = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # (A,)
         chosen = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)  # (A,)
         return next_ids, chosen
 
@@ -769,28 +821,94 @@ def _stack_right_aligned(parts: list[tuple[torch.Tensor, int]], w: int, cap: int
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class Collectives:
+    """The collective operations :class:`VLLMGenerator` needs, over the ranks that share one vLLM engine.
+
+    ``all_gather(obj)`` returns the objects of every rank in rank order, ``broadcast(obj)`` returns rank 0's object
+    on every rank; ``rank`` and ``is_main`` say where this process stands. The default for one process is the
+    identity; :meth:`for_server` uses ``accelerate`` over all processes (server mode), :meth:`for_group` uses
+    ``torch.distributed`` on a tensor-parallel group (colocate mode). Tests pass a stand-in with the same methods.
+    """
+
+    rank = 0
+    is_main = True
+
+    def all_gather(self, obj) -> list:
+        return [obj]
+
+    def broadcast(self, obj):
+        return obj
+
+    @staticmethod
+    def for_server(accelerator) -> Collectives:
+        if accelerator is None or accelerator.num_processes == 1:
+            return Collectives()
+        return _AccelerateCollectives(accelerator)
+
+    @staticmethod
+    def for_group(group) -> Collectives:
+        return Collectives() if group is None else _GroupCollectives(group)
+
+
+class _AccelerateCollectives(Collectives):
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.rank, self.is_main = accelerator.process_index, accelerator.is_main_process
+
+    def all_gather(self, obj) -> list:
+        from accelerate.utils import gather_object
+
+        return gather_object([obj])
+
+    def broadcast(self, obj):
+        from accelerate.utils import broadcast_object_list
+
+        box = [obj]
+        broadcast_object_list(box, from_process=0)
+        return box[0]
+
+
+class _GroupCollectives(Collectives):
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.group, self.dist = group, dist
+        self.rank = dist.get_rank(group=group)
+        self.is_main = self.rank == 0
+
+    def all_gather(self, obj) -> list:
+        out = [None] * self.dist.get_world_size(group=self.group)
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj):
+        box = [obj]
+        self.dist.broadcast_object_list(box, group_src=0, group=self.group)
+        return box[0]
+
+
 class VLLMGenerator:
     """One turn for a batch of token-id contexts through TRL's vLLM integration (``use_vllm=True``).
 
     Departures from TRL's ``VLLMGeneration.generate``, which serves single-turn prompts: each row has its own token
     budget and the protocol's stop strings (vLLM ``stop`` with ``include_stop_str_in_output=True``, so a turn never
-    runs past ``</search>``), ranks may hold different numbers of rows (the rows are gathered with their counts),
-    and the sampled ids come back with their log-probs and a finish reason.
+    runs past ``</search>``), ranks may hold different numbers of rows (each rank's rows are gathered as one list),
+    and the sampled ids come back with their log-probs and a finish reason. Prompts are token ids, never re-encoded
+    text; vLLM's prefix cache keeps the history of a trajectory from being recomputed at the next turn.
 
-    Collective-call rule: in server mode every rank gathers its rows to the main process and receives the results
-    by broadcast, and in colocate mode with tensor parallelism the ranks of a group gather their rows; both are
-    collective operations, so **every rank must call** :meth:`generate` **the same number of times**, also with no
-    rows. This backend therefore sets ``requires_collective_calls = True``, and
+    Collective-call rule: in server mode every rank gathers its rows to the main process, which calls the server,
+    and receives the results by broadcast; in colocate mode with tensor parallelism the ranks of a group gather
+    their rows and all call the engine. Both are collective, so **every rank must call** :meth:`generate` **the
+    same number of times**, also with no rows. This backend sets ``requires_collective_calls = True``, and
     :class:`~trl_multiturn.rollout.MultiTurnRollout` then makes exactly ``max_turns`` calls per rollout on every
-    rank, with an empty list once its own trajectories are done.
+    rank, with an empty list once its own trajectories are done (the engine is not called when no rank has a row).
 
     Args:
         tokenizer: the policy's tokenizer (stop-string checks and EOS ids).
         mode: "colocate" (``llm`` is an in-process ``vllm.LLM``) or "server" (``client`` is TRL's ``VLLMClient``).
         llm: the ``vllm.LLM`` of colocate mode (TRL's ``trainer.vllm_generation.llm``).
         client: the ``VLLMClient`` of server mode (TRL's ``trainer.vllm_generation.vllm_client``).
-        accelerator: the ``accelerate.Accelerator`` (rank and process count); ``None`` for one process.
-        tp_group: the tensor-parallel process group of colocate mode (``None`` without tensor parallelism).
+        collectives: a :class:`Collectives` (default: one process; :meth:`from_trl` picks the right one).
         sampling_params_cls: vLLM's ``SamplingParams`` (imported from ``vllm`` when not given; tests pass a stand-in).
         generation_kwargs: extra vLLM sampling parameters (``seed``, ``repetition_penalty``, ...), as TRL's
             ``generation_kwargs``.
@@ -805,8 +923,7 @@ class VLLMGenerator:
         mode: str,
         llm=None,
         client=None,
-        accelerator=None,
-        tp_group=None,
+        collectives: Collectives | None = None,
         sampling_params_cls=None,
         generation_kwargs: dict | None = None,
     ):
@@ -820,8 +937,7 @@ class VLLMGenerator:
         self.mode = mode
         self.llm = llm
         self.client = client
-        self.accelerator = accelerator
-        self.tp_group = tp_group
+        self.collectives = collectives or Collectives()
         self._sampling_params_cls = sampling_params_cls
         self.generation_kwargs = dict(generation_kwargs or {})
         self.eos_token_ids = _eos_ids(tokenizer)
@@ -833,19 +949,20 @@ class VLLMGenerator:
         mode = vllm_generation.mode
         kwargs = dict(vllm_generation.generation_kwargs or {})
         kwargs.update(generation_kwargs or {})
+        if mode == "server":
+            collectives = Collectives.for_server(vllm_generation.accelerator)
+        else:
+            tp = getattr(vllm_generation, "tensor_parallel_size", 1)
+            collectives = Collectives.for_group(vllm_generation.tp_group if tp > 1 else None)
         return cls(
             tokenizer,
             mode,
             llm=getattr(vllm_generation, "llm", None) if mode == "colocate" else None,
             client=getattr(vllm_generation, "vllm_client", None) if mode == "server" else None,
-            accelerator=vllm_generation.accelerator,
-            tp_group=getattr(vllm_generation, "tp_group", None)
-            if getattr(vllm_generation, "tensor_parallel_size", 1) > 1
-            else None,
+            collectives=collectives,
             generation_kwargs=kwargs,
         )
 
-    # -- helpers
     def _sampling_kwargs(self, params: SamplingParams, max_tokens: int) -> dict:
         kwargs = {
             "n": 1,
@@ -863,39 +980,6 @@ class VLLMGenerator:
         kwargs.update(self.generation_kwargs)
         return kwargs
 
-    def _finish_reason(self, ids: list[int], stop: _StopChecker) -> str:
-        """vLLM ends a turn at EOS, at a stop string or at ``max_tokens``; tell which from the ids themselves (server
-        mode does not report it, and the budget cut is ours)."""
-        if not ids:
-            return "length"
-        return stop(ids, max_new_tokens=len(ids)) or "length"
-
-    def _all_gather(self, obj):
-        """Rows of every rank of the group (list of per-rank objects), or ``[obj]`` for one process."""
-        if self.mode == "colocate":
-            if self.tp_group is None:
-                return [obj]
-            import torch.distributed as dist
-
-            out = [None] * dist.get_world_size(group=self.tp_group)
-            dist.all_gather_object(out, obj, group=self.tp_group)
-            return out
-        if self.accelerator is None or self.accelerator.num_processes == 1:
-            return [obj]
-        from accelerate.utils import gather_object
-
-        return gather_object([obj])
-
-    def _rank_in_group(self) -> int:
-        if self.mode == "colocate":
-            if self.tp_group is None:
-                return 0
-            import torch.distributed as dist
-
-            return dist.get_rank(group=self.tp_group)
-        return 0 if self.accelerator is None else self.accelerator.process_index
-
-    # -- API
     def generate(
         self, contexts: list[list[int]], max_new_tokens: list[int] | int, params: SamplingParams
     ) -> list[GenerationOutput]:
@@ -906,32 +990,24 @@ class VLLMGenerator:
         self.calls += 1
         stop = _StopChecker(self.tokenizer, self.eos_token_ids, tuple(params.stop_strings))
         rows = [(list(c), int(b)) for c, b in zip(contexts, max_new_tokens) if b > 0]
-        gathered = self._all_gather(rows)  # per-rank lists of (ids, budget)
+        gathered = self.collectives.all_gather(rows)  # one list of (ids, budget) per rank
         flat = [row for part in gathered for row in part]
-        results: list[tuple[list[int], list[float]]] = []
-        if flat:
-            if self.mode == "colocate":
-                results = self._generate_colocate(flat, params)
-            else:
-                results = self._generate_server(flat, params)
-        rank = self._rank_in_group()
-        start = sum(len(part) for part in gathered[:rank])
+        if self.mode == "colocate":
+            results = self._generate_colocate(flat, params) if flat else []
+        else:
+            results = self._generate_server(flat, params) if self.collectives.is_main and flat else None
+            results = self.collectives.broadcast(results) or []
+        start = sum(len(part) for part in gathered[: self.collectives.rank])
         mine = iter(results[start : start + len(rows)])
         outputs = []
         for ctx, budget in zip(contexts, max_new_tokens):
             if budget <= 0:
-                outputs.append(GenerationOutput(prefill_tokens=0))
+                outputs.append(GenerationOutput())
                 continue
             ids, logprobs = next(mine)
-            ids, logprobs = list(ids)[:budget], list(logprobs)[:budget]
-            outputs.append(
-                GenerationOutput(
-                    ids=ids,
-                    logprobs=logprobs,
-                    finish_reason=self._finish_reason(ids, stop),
-                    prefill_tokens=len(ctx),
-                )
-            )
+            ids, logprobs = list(ids)[:budget], list(logprobs)[:budget]  # server mode asks for the largest budget
+            reason = (stop(ids, budget) or "length") if ids else "length"
+            outputs.append(GenerationOutput(ids=ids, logprobs=logprobs, finish_reason=reason, prefill_tokens=len(ctx)))
         return outputs
 
     def _generate_colocate(self, rows, params) -> list[tuple[list[int], list[float]]]:
@@ -954,25 +1030,18 @@ class VLLMGenerator:
         return results
 
     def _generate_server(self, rows, params) -> list[tuple[list[int], list[float]]]:
-        is_main = self.accelerator is None or self.accelerator.is_main_process
-        payload = None
-        if is_main:
-            kwargs = self._sampling_kwargs(params, max(b for _, b in rows))
-            kwargs.pop("n")
-            extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("temperature", "top_p", "top_k", "max_tokens", "logprobs")}
-            out = self.client.generate(prompts=[ids for ids, _ in rows], n=1, generation_kwargs=extra, **kwargs)
-            results = []
-            for ids, lps, lp_ids in zip(out["completion_ids"], out["logprobs"], out.get("logprob_token_ids") or [None] * len(rows)):
-                picked = []
-                for t, (tok, step) in enumerate(zip(ids, lps)):
-                    k = lp_ids[t].index(tok) if lp_ids is not None and tok in lp_ids[t] else 0
-                    picked.append(float(step[k]) if step[k] is not None else float("nan"))
-                results.append((list(ids), picked))
-            payload = results
-        if self.accelerator is not None and self.accelerator.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            box = [payload]
-            broadcast_object_list(box, from_process=0)
-            payload = box[0]
-        return payload
+        """One request to the server for every rank's rows (main process only); ``max_tokens`` is the largest
+        budget and each row is cut to its own afterwards."""
+        kwargs = self._sampling_kwargs(params, max(b for _, b in rows))
+        direct = {k: kwargs.pop(k) for k in ("temperature", "top_p", "top_k", "max_tokens", "logprobs")}
+        kwargs.pop("n")
+        out = self.client.generate(prompts=[ids for ids, _ in rows], n=1, generation_kwargs=kwargs, **direct)
+        token_lists = out.get("logprob_token_ids") or [None] * len(rows)
+        results = []
+        for ids, steps, step_ids in zip(out["completion_ids"], out["logprobs"], token_lists):
+            picked = []
+            for t, (token, step) in enumerate(zip(ids, steps)):
+                k = step_ids[t].index(token) if step_ids is not None and token in step_ids[t] else 0
+                picked.append(float("nan") if step[k] is None else float(step[k]))
+            results.append((list(ids), picked))
+        return results

@@ -165,11 +165,12 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         ax.set_ylabel("grad_norm")
         ax.set_xlabel("optimizer step")
         ax.set_xticks(steps)
-        ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
         for r in range(1, max(x["rollout"] for x in rows)):
             for a in axes[:, col]:
                 a.axvline(r * per_rollout + 0.5, color="grey", ls=":", lw=0.8)
+    top = max(r["grad_norm"] for rows in results.values() for r in rows)
+    axes[1, 0].set_ylim(0, 1.1 * top)  # the row shares its y axis
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -42,6 +42,8 @@ class FaultEnv:
         self.mode = example["mode"]
         if self.mode == "reset_raises":
             raise RuntimeError("reset exploded on purpose")
+        if self.mode == "long_prompt":
+            return "Question long_prompt: " + "word " * 300
         return f"Question {example['mode']}: what is the capital of Varnesia?"
 
     def step(self, action):

