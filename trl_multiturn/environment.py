@@ -30,8 +30,8 @@ class Action:
     """A parsed policy action.
 
     Attributes:
-        kind: "tool" (a tool call / search), "answer" (final answer, ends the episode unless the env says otherwise),
-            or "invalid" (the text matched no action of the protocol).
+        kind: "tool" (a tool call / search), "answer" (final answer: the environment's step still runs, e.g. to
+            reward it, and then the episode ends), or "invalid" (the text matched no action of the protocol).
         name: the tool name for kind "tool" (e.g. "search"); None otherwise.
         arguments: the tool arguments for kind "tool" (for tag protocols: ``{"query": text}``).
         content: the answer text for kind "answer"; None otherwise.
@@ -55,7 +55,7 @@ class Step:
         observation: text inserted into the context before the next turn (None or "" = nothing to insert).
         reward: reward for this turn; kept per turn on the trajectory and summed into the final reward.
         done: True ends the episode.
-        info: free-form record merged into the trajectory's ``info``.
+        info: free-form record, appended to the trajectory's ``info["step_info"]`` (one entry per step).
     """
 
     observation: str | None = None

@@ -161,6 +161,10 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             peft_config=peft_config,
             rollout_func=self._rollout_func,
         )
+        # TRL decides truncation by "last token is not EOS", which is wrong for tag protocols (a turn ends at
+        # </answer>); the rollout knows which trajectories hit a limit, so this trainer applies the mask itself.
+        self._mask_truncated = bool(args.mask_truncated_completions)
+        self.mask_truncated_completions = False
         tokenizer = self._tokenizer
         if tokenizer.pad_token is None:
             if tokenizer.eos_token is None:
@@ -309,8 +313,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             tok_adv[dropped.cpu()] = 0.0
             advantages = tok_adv[local].to(device)  # (B_local, T)
         output["advantages"] = advantages
-        if local_dropped.any():
-            keep = (~local_dropped).long().unsqueeze(1)  # (B_local, 1)
+        excluded = local_dropped.clone()
+        if self._mask_truncated:  # mask_truncated_completions: trajectories cut by a limit carry no loss
+            excluded |= torch.tensor([t.truncated for t in trajs], device=excluded.device)
+        if excluded.any():
+            keep = (~excluded).long().unsqueeze(1)  # (B_local, 1)
             output["tool_mask"] = output["tool_mask"] * keep
         self._metrics[mode]["rollout/dropped_frac"].append(float(dropped.float().mean()))
 
@@ -355,7 +362,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         m["rollout/reward_std"].append(finite.std().item() if finite.numel() > 1 else 0.0)
         if rewards.numel() % group == 0 and group > 1:
             g = rewards.view(-1, group)
-            zero = torch.tensor([bool((row[torch.isfinite(row)].std() if torch.isfinite(row).sum() > 1 else 0) == 0) for row in g])
+            zero = torch.tensor(
+                [bool(torch.isfinite(row).sum() < 2 or row[torch.isfinite(row)].std() == 0) for row in g]
+            )  # a group with fewer than 2 kept members has no baseline: no signal, like a zero-std group
             m["rollout/zero_std_group_frac"].append(zero.float().mean().item())
         reasons = Counter(t.info.get("stop_reason") for t in trajs)
         self.last_stop_reasons = dict(reasons)
@@ -382,7 +391,10 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         """perf/useful_token_frac = real tokens / tokens processed (padding included) over the rollout's micro-batches."""
         real = sum(float(c["prompt_mask"].sum() + c["completion_mask"].sum()) for c in chunks)
         processed = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in chunks)
-        self._metrics["train"]["perf/useful_token_frac"].append(real / max(processed, 1))
+        totals = self.accelerator.reduce(
+            torch.tensor([real, float(processed)], dtype=torch.float64, device=self.accelerator.device), reduction="sum"
+        )
+        self._metrics["train"]["perf/useful_token_frac"].append(float(totals[0] / totals[1].clamp(min=1)))
 
     def _attach_normalizers(self, chunks: list[dict]) -> None:
         """Give each micro-batch the (sequence, token) counts of its whole mini-batch over all ranks."""
@@ -502,18 +514,20 @@ def _nan_aware_group_advantages(rewards: torch.Tensor, group_size: int, scale: s
         return group_advantages(rewards, group_size, scale=scale, eps=eps)
     out = torch.zeros_like(rewards)
     if scale == "batch":
-        # batch std over the kept rows, group means over the kept members
+        # batch std over the kept rows, group means over the kept members; groups with < 2 kept members get 0
         kept = rewards[finite]
         std = kept.std() if kept.numel() > 1 else torch.tensor(1.0)
         mean = _group_nanmean(rewards, group_size)
-        out[finite] = ((rewards - mean) / (std + eps))[finite]
+        members = finite.view(-1, group_size).sum(1).repeat_interleave(group_size)  # (B,)
+        usable = finite & (members >= 2)
+        out[usable] = ((rewards - mean) / (std + eps))[usable]
         return out
     for start in range(0, rewards.numel(), group_size):
         sl = slice(start, start + group_size)
         keep = finite[sl]
         n = int(keep.sum())
-        if n == 0:
-            continue
+        if n < 2:
+            continue  # no baseline left in this group: no learning signal (advantage 0)
         vals = rewards[sl][keep]
         out[sl][keep] = group_advantages(vals, n, scale=scale, eps=eps)
     return out

@@ -231,3 +231,32 @@ def test_incomplete_checkpoints_are_skipped_and_refused(runs, tmp_path, smollm2_
     out.mkdir()
     with pytest.raises(ValueError, match=r"resume_from_checkpoint=True but output_dir=.* holds no complete"):
         trainer.train(resume_from_checkpoint=True)
+
+
+def test_checkpoints_rotate_and_a_save_inside_a_rollout_warns(tmp_path, smollm2_tokenizer, caplog):
+    """Two optimizer steps per rollout, a save after every step, at most two checkpoints kept."""
+    import logging
+
+    from trl_multiturn import MultiTurnGRPOTrainer
+    from trl_multiturn.checkpointing import AtomicCheckpointMixin
+    from trl_multiturn.models import tiny_random_model
+
+    from reliability_helpers import FaultEnv, fault_dataset, tiny_args, vowel_reward
+
+    cls = MultiTurnGRPOTrainer
+    if not issubclass(cls, AtomicCheckpointMixin):
+        cls = type("AtomicMultiTurnGRPOTrainer", (AtomicCheckpointMixin, MultiTurnGRPOTrainer), {})
+    args = tiny_args(tmp_path, mini_batch_size=2, micro_batch_size=2, max_steps=3, save_strategy="steps",
+                     save_steps=1, save_total_limit=2)
+    trainer = cls(
+        model=tiny_random_model(smollm2_tokenizer), args=args, train_dataset=fault_dataset(["ok"] * 4),
+        environment_factory=FaultEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    with caplog.at_level(logging.WARNING, logger="trl_multiturn.checkpointing"):
+        trainer.train()
+    out = Path(args.output_dir)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert not (out / STAGING_DIR).exists()
+    assert all(checkpoint_problem(p) is None for p in out.glob("checkpoint-*"))
+    (warning,) = [r.getMessage() for r in caplog.records if "inside a rollout" in r.getMessage()]
+    assert "global step 1" in warning and "save_steps that is a multiple of 2" in warning
