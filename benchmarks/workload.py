@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 MODEL_SIZES = {
+    "tiny": (64, 128, 2, 4, 2),  # smoke tests of the scripts
     # name: (hidden, intermediate, layers, heads, kv_heads) of a Llama-style decoder with SmolLM2's vocabulary
     "135m": (576, 1536, 30, 9, 3),
     "360m": (960, 2560, 32, 15, 5),

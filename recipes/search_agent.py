@@ -158,7 +158,7 @@ def evaluate(stage, model, tokenizer, rows, env_factory, args, training_args, re
     out = evaluate_search_agent(
         model, tokenizer, rows, env_factory, max_turns=training_args.max_turns,
         max_completion_length=training_args.max_completion_length, max_tokens_per_turn=args.eval_max_tokens_per_turn,
-        batch_size=args.eval_batch_size,
+        batch_size=args.eval_batch_size, accelerator=PartialState(),
     )
     results[stage] = {"summary": out["summary"], "seconds": out["seconds"]}
     return out
@@ -219,6 +219,10 @@ def warm_start_enabled(args: SearchAgentArguments, model) -> bool:
 def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, model_args: ModelConfig):
     state = PartialState()
     out_dir = Path(training_args.output_dir)
+    # Publishing happens once, at the end, with the model card; the Trainer must not create the repo at start-up.
+    push, training_args.push_to_hub = training_args.push_to_hub, False
+    if push and not training_args.hub_model_id:
+        raise ValueError("--push_to_hub needs --hub_model_id (e.g. me/search-agent).")
     results: dict = {}
     t0 = time.perf_counter()
     corpus, train_rows, test_rows = load_data(script_args)
@@ -289,11 +293,11 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
         (out_dir / "metrics.json").write_text(json.dumps(results, indent=2, default=str))
         (out_dir / "log_history.json").write_text(json.dumps(history, indent=2, default=str))
         plot = plot_curves(history, results, out_dir / "training_curves.png")
-        save_and_publish(model, tokenizer, base_path, out_dir, results, table, plot, script_args, training_args)
+        save_and_publish(model, tokenizer, base_path, out_dir, results, plot, script_args, training_args, push)
     return results
 
 
-def save_and_publish(model, tokenizer, base_path, out_dir, results, table, plot, script_args, training_args):
+def save_and_publish(model, tokenizer, base_path, out_dir, results, plot, script_args, training_args, push):
     from trl_multiturn.hub import ModelCardInfo, hub_base_model_id, merge_and_save, push_to_hub, save_adapter
 
     evaluation = {stage: {"exact match": r["summary"]["all"]["exact_match"],
@@ -311,15 +315,13 @@ def save_and_publish(model, tokenizer, base_path, out_dir, results, table, plot,
         dataset=script_args.dataset,
         evaluation=evaluation,
         plot=plot,
-        repo_id=training_args.hub_model_id if training_args.push_to_hub else None,
+        repo_id=training_args.hub_model_id if push else None,
     )
     adapter_dir = save_adapter(model, tokenizer, out_dir / "adapter", card=card)
     print(f"adapter and model card saved to {adapter_dir}", flush=True)
     if script_args.merge_adapter:
         merge_and_save(model, tokenizer, out_dir / "merged")
-    if training_args.push_to_hub:
-        if not training_args.hub_model_id:
-            raise ValueError("--push_to_hub needs --hub_model_id (e.g. me/search-agent); the adapter is saved locally.")
+    if push:
         url = push_to_hub(adapter_dir, training_args.hub_model_id, private=bool(training_args.hub_private_repo),
                           token=training_args.hub_token)
         print(f"pushed to {url}", flush=True)

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from trl_multiturn import MultiTurnGRPOConfig
+from test_hub import hub  # noqa: F401  (the local Hub stand-in fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,3 +122,34 @@ def test_recipe_smollm2_one_step(tmp_path, smollm2_dir):
     args = parse(recipe, ["--output_dir", str(out), "--warm_start", "off", "--eval_before", "false", *SMALL])
     results = recipe.main(*args)
     assert "grpo" in results and (out / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_recipe_publishes_and_the_adapter_reloads(tmp_path, tiny_model_dir, hub, capsys):
+    """`--push_to_hub --hub_model_id me/agent` publishes the adapter with its card (against the local Hub stand-in),
+    and the evaluation recipe with `--adapter` reproduces the trained model's evaluation."""
+    from test_hub import TOKEN
+
+    recipe = load_recipe()
+    out = tmp_path / "run"
+    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--warm_start", "off",
+                          "--eval_before", "false", "--push_to_hub", "--hub_model_id", "me/agent", "--hub_token", TOKEN,
+                          *SMALL])
+    results = recipe.main(*args)
+    repo = hub.repos["me/agent"]
+    assert len(repo["commits"]) == 1
+    assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "training_curves.png"} <= set(repo["files"])
+    assert b"trl-multiturn" in repo["files"]["README.md"]
+
+    spec = importlib.util.spec_from_file_location("evaluate_recipe", REPO / "recipes" / "evaluate_search_agent.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    sys.modules["evaluate_recipe"] = evaluate  # dataclasses look their module up by name
+    spec.loader.exec_module(evaluate)
+    from trl import ModelConfig, TrlParser
+
+    eval_args = TrlParser((evaluate.EvalArguments, ModelConfig)).parse_args_and_config(args=[
+        "--model_name_or_path", str(tiny_model_dir), "--adapter", str(out / "adapter"), "--offline_entities", "20",
+        "--num_eval_questions", "4", "--eval_batch_size", "4", "--eval_max_tokens_per_turn", "16", "--max_turns", "2",
+        "--max_completion_length", "256", "--max_observation_tokens", "64",
+    ])
+    reloaded = evaluate.main(*eval_args)
+    assert reloaded["summary"] == results["grpo"]["summary"]

@@ -22,7 +22,7 @@ Limits of an exact resume (the run always resumes; these only decide whether it 
 * the resume must stay in the epoch of the checkpoint: TRL's ``RepeatSampler`` draws each epoch's order from one
   generator that is not saved, so after an epoch boundary a resumed run sees the first epoch's order again.
 
-Usage (already part of ``MultiTurnGRPOTrainer``'s bases when this module is wired in)::
+Usage: ``MultiTurnGRPOTrainer`` has the mixin among its bases; any other ``transformers.Trainer`` subclass can too::
 
     class MyTrainer(AtomicCheckpointMixin, GRPOTrainer): ...
     trainer.train(resume_from_checkpoint=True)     # newest COMPLETE checkpoint in output_dir
@@ -69,7 +69,7 @@ def _fsync_path(path: str | os.PathLike, directory: bool = False) -> None:
 def _fsync_tree(root: Path) -> list[dict]:
     """Flush every file and directory under ``root``; returns ``[{"path", "size"}]`` for the manifest, sorted."""
     files = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             full = Path(dirpath) / name
             _fsync_path(full)
@@ -98,18 +98,15 @@ def checkpoint_problem(checkpoint_dir: str | os.PathLike) -> str | None:
 
     Complete means: a readable manifest whose files all exist with the recorded sizes. A checkpoint written without
     the mixin (no manifest) counts as complete when its ``trainer_state.json`` (the Trainer writes it after the
-    weights, optimizer and RNG states) parses and names the directory's step.
+    weights, optimizer and RNG states) parses and, for a ``checkpoint-N`` directory, names step N.
     """
     root = Path(checkpoint_dir)
-    match = _CHECKPOINT_RE.match(root.name)
-    if not root.is_dir() or match is None:
-        return f"{root} is not a checkpoint-N directory"
-    step = int(match.group(1))
+    if not root.is_dir():
+        return f"{root} is not a directory"
     manifest = root / MANIFEST_NAME
     if manifest.is_file():
         try:
-            record = json.loads(manifest.read_text())
-            files = record["files"]
+            files = json.loads(manifest.read_text())["files"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return f"its manifest {manifest} is unreadable ({type(exc).__name__}: {exc})"
         for entry in files:
@@ -119,13 +116,13 @@ def checkpoint_problem(checkpoint_dir: str | os.PathLike) -> str | None:
             if path.stat().st_size != entry["size"]:
                 return f"{entry['path']} has {path.stat().st_size} bytes, the manifest says {entry['size']}"
         return None
-    state = root / "trainer_state.json"
     try:
-        saved_step = json.loads(state.read_text()).get("global_step")
+        saved_step = json.loads((root / "trainer_state.json").read_text()).get("global_step")
     except (OSError, ValueError, AttributeError) as exc:
         return f"it has no manifest and its trainer_state.json is missing or unreadable ({type(exc).__name__})"
-    if saved_step != step:
-        return f"it has no manifest and its trainer_state.json says global_step={saved_step}, not {step}"
+    match = _CHECKPOINT_RE.match(root.name)
+    if match is not None and saved_step != int(match.group(1)):
+        return f"it has no manifest and its trainer_state.json says global_step={saved_step}, not {match.group(1)}"
     return None
 
 

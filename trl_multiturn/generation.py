@@ -3,8 +3,8 @@
 Two backends share one API, ``generate(contexts, max_new_tokens, params) -> list[GenerationOutput]``:
 
 ``TransformersGenerator`` is a batched sampling loop over a Hugging Face causal LM. It is ours rather than
-``model.generate`` (which TRL's own multi-turn path calls once per turn) because a multi-turn rollout needs four
-things ``generate`` does not give:
+``model.generate`` (which TRL's own multi-turn path calls once per turn) because a multi-turn rollout needs what
+``generate`` does not give:
 
 * the sampling log-prob of every token from the very logits it was sampled from (``log_softmax(logits / T)``, the
   quantity TRL and VeRL recompute as the old policy);
@@ -13,6 +13,8 @@ things ``generate`` does not give:
 * **no recomputation of the history across turns.** Each trajectory owns a :class:`GenerationSession` that keeps the
   K/V of every token it has seen. At turn k+1 only the tokens appended since turn k (the last sampled token, the
   observation and its template tokens) are prefilled; TRL re-prefills the whole history at every turn;
+* **shared prompt prefixes computed once.** Rows that start a trajectory together and begin with the same ids
+  (the system prompt and tool schema; the G copies of a GRPO prompt) share the K/V of their common prefix;
 * **rows that join and leave a running batch.** Besides the batch call ``generate``, the backend exposes
   ``submit`` / ``step``: a request joins the running batch at the next decode step (its new tokens are prefilled on
   their own and its K/V merged into the batch), and a row whose turn ended leaves the batch at once, so one slow
@@ -28,11 +30,12 @@ padding, in its session. Padding and position ids: each row's positions count it
 row with a shorter chunk re-feeds the last few tokens of its history instead of padding (same compute, and every
 row's K/V stays contiguous). Models whose cache is not a transformers ``Cache`` (a scripted test model), or
 whose layers are not all full attention (sliding-window, linear-attention), or ``kv_reuse=False``, take the
-reference path: one batch per call, full prefill, the loop this module had before sessions existed.
+reference path: one batch per call, full prefill of every context, nothing kept between calls.
 
 Sampling is reproducible per trajectory: each session draws its own seed from the generator's
-``torch.Generator`` when it is created (in trajectory order) and samples from its own stream, so the ids of a
-trajectory do not depend on which other rows shared its batch or on when its environment answered.
+``torch.Generator`` when it is created (in trajectory order) and samples from its own stream (inverse-CDF, one
+uniform per token), so the ids of a trajectory do not depend on which other rows shared its batch or on when its
+environment answered. (The reference path samples the batch from the shared generator.)
 
 ``VLLMGenerator`` sends each turn's token-id prompts through TRL's vLLM integration (``use_vllm=True``): an
 in-process ``vllm.LLM`` (colocate mode) or ``VLLMClient`` (server mode), with the protocol's stop strings and

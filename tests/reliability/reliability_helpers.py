@@ -1,6 +1,6 @@
 """Shared pieces of the reliability suite: a fault-injecting environment, a tiny training configuration, and the
-probes that tell whether a proposed change to the package has been applied (tests that need one are marked
-``xfail(strict=True)`` until it is, so applying it turns them into ordinary passing tests)."""
+probes that tell whether a behaviour the suite expects is implemented yet (its tests are marked
+``xfail(strict=True)`` until it is, so implementing it turns them into ordinary passing tests)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ class Recorder:
         trainer._generate_and_score_completions = score_and_keep
 
 
-# ---------------------------------------------------------------------------------------------------- proposed changes
+# ---------------------------------------------------------------------------------------------------- expected behaviours
 def _config_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(MultiTurnGRPOConfig)}
 
@@ -144,5 +144,5 @@ def has_mixin() -> bool:
 
 
 def needs(applied: bool, change: str):
-    """``xfail(strict=True)`` until ``change`` (a diff proposed in docs/reliability.md) is applied."""
-    return pytest.mark.xfail(not applied, reason=f"needs the proposed change: {change}", strict=True)
+    """``xfail(strict=True)`` while ``applied`` is False: the behaviour ``change`` is not implemented yet."""
+    return pytest.mark.xfail(not applied, reason=f"not implemented yet: {change}", strict=True)

@@ -11,7 +11,8 @@ that the six steps stay inside one epoch. It writes, for the test to watch and c
 * ``<out>/final.safetensors`` and ``<out>/final.json``: the trainable parameters and the log history at the end.
 
 ``--resume latest`` resumes with ``resume_from_checkpoint=True`` (the newest complete checkpoint); ``--resume PATH``
-from that checkpoint. ``--plain`` trains without the atomic checkpoint mixin, to show what it protects against.
+from that checkpoint. The trainer is ``MultiTurnGRPOTrainer`` with ``AtomicCheckpointMixin`` (added here when the
+class does not have it among its bases).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 STALL_SECONDS = 120  # bounded: the test kills the process long before
 
 
-def build(out: Path, plain: bool, stall_at: int | None):
+def build(out: Path, stall_at: int | None):
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -56,10 +57,8 @@ def build(out: Path, plain: bool, stall_at: int | None):
             os.replace(tmp, out / "progress.json")
 
     base = MultiTurnGRPOTrainer
-    if not plain and not issubclass(base, AtomicCheckpointMixin):
+    if not issubclass(base, AtomicCheckpointMixin):
         base = type("AtomicMultiTurnGRPOTrainer", (AtomicCheckpointMixin, MultiTurnGRPOTrainer), {})
-    if plain and issubclass(base, AtomicCheckpointMixin):
-        raise SystemExit("--plain needs a trainer without AtomicCheckpointMixin")
 
     class Trainer(base):
         def _save_rng_state(self, output_dir):
@@ -105,11 +104,10 @@ def main(argv=None) -> int:
     parser.add_argument("output_dir")
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint path")
     parser.add_argument("--stall-save-at", type=int, default=None)
-    parser.add_argument("--plain", action="store_true")
     a = parser.parse_args(argv)
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    trainer = build(out, a.plain, a.stall_save_at)
+    trainer = build(out, a.stall_save_at)
     resume = True if a.resume == "latest" else a.resume
     trainer.train(resume_from_checkpoint=resume)
 

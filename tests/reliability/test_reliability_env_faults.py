@@ -11,7 +11,6 @@ trajectories that must leave the loss did. A second run has every trajectory dro
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 

@@ -80,7 +80,7 @@ def test_empty_completions_train_with_zero_advantage_and_no_nan(empty_completion
 
 
 def test_tokenizer_without_pad_token_or_chat_template_trains(empty_completion_run, bare_tokenizer):
-    trainer, recorder = empty_completion_run
+    _, recorder = empty_completion_run
     assert bare_tokenizer.pad_token == bare_tokenizer.eos_token  # filled in at construction, with a warning
     prompt = bare_tokenizer.decode(recorder.rollouts[0][0].prompt_ids, skip_special_tokens=True)
     assert prompt.startswith("Question ok:") and "<|im_start|>" not in prompt  # plain text, no template
@@ -130,9 +130,8 @@ class RecordingEnv:
 
 def test_completion_cut_inside_a_tag_is_truncated_and_not_executed(smollm2_tokenizer):
     tok = smollm2_tokenizer
-    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    first = ids("<search>capital</search>")
-    second = ids("<search>" + "a very long query that never closes " * 10)
+    first = tok("<search>capital</search>", add_special_tokens=False)["input_ids"]
+    second = tok("<search>" + "a very long query that never closes " * 10, add_special_tokens=False)["input_ids"]
     lm = ScriptedLM([first, second], len(tok), tok.eos_token_id)
     envs = []
 

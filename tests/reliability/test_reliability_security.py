@@ -127,7 +127,7 @@ def small_bm25():
 @pytest.fixture(scope="module")
 def served(small_bm25):
     limits = server_module.ServerLimits(request_timeout_s=3.0)
-    server, url = server_module.start_server(small_bm25, port=0, limits=limits)
+    server, _ = server_module.start_server(small_bm25, port=0, limits=limits)
     yield server.server_address[1]
     server.stop()
 

@@ -1,0 +1,250 @@
+"""Training-step time and useful-token fraction: MultiTurnGRPOTrainer vs TRL's GRPOTrainer on the same rollout batch.
+
+    python benchmarks/train_step.py                               # CPU: a tiny random model (see below)
+    python benchmarks/train_step.py --device cuda --dtype bf16 --model smollm2 --trajectories 32
+
+The rollout batch is made once: the multi-turn search workload of ``benchmarks/workload.py`` (forced tool calls,
+so trajectories have uneven lengths as real ones do) rolled out by our ``MultiTurnRollout``. Then each trainer
+trains ``--steps`` optimizer steps on exactly that batch, from the same initial weights and with the same batch
+knobs (micro-batch size, gradient accumulation, one GRPO iteration, no KL term):
+
+(a) TRL: ``GRPOTrainer(rollout_func=...)`` whose ``rollout_func`` returns the batch's ``prompt_ids``,
+    ``completion_ids``, ``logprobs`` and ``env_mask`` (TRL's documented multi-turn seam);
+(b) ours: ``MultiTurnGRPOTrainer`` with its rollout replaced by the same trajectories.
+
+Reported per side: wall time of ``train()``, time inside ``training_step`` (forward + backward of every
+micro-batch), tokens processed by the training forwards (padding included), the useful-token fraction
+``(assistant + observation tokens) / tokens processed`` and the real-token fraction ``(prompt + assistant +
+observation) / tokens processed``, and on CUDA the peak memory. Whatever micro-batching the trainer has when the
+script runs is what is measured. A CPU cannot train SmolLM2 on multi-turn batches in minutes, so the CPU default is
+``--model random-tiny`` (SmolLM2's vocabulary, a 2-layer body): the token accounting is the same, the times are
+only indicative; pass ``--model smollm2`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import workload as W  # noqa: E402
+
+W.offline_env()
+
+import torch  # noqa: E402
+
+
+def length_reward(completions, completion_ids, **kwargs) -> list[float]:
+    """A reward that varies inside each group (tokens of the completion / 100)."""
+    return [len(c) / 100.0 for c in completion_ids]
+
+
+def make_batch(model, tok, args):
+    """Roll the workload out once with our rollout; returns (dataset rows, trajectories, env class)."""
+    from trl_multiturn.generation import SamplingParams, TransformersGenerator
+    from trl_multiturn.protocols import ChatToolProtocol
+    from trl_multiturn.rollout import MultiTurnRollout, RolloutConfig
+    from trl_multiturn.trl_compat import TRLEnvironmentAdapter
+
+    wl, retriever = W.build_workload(
+        tok, args.trajectories, args.turns, args.seed, args.min_think, args.max_think, args.group_size
+    )
+    env_class = W.make_search_env_class(retriever, 3, 0.0, W.EnvClock())
+    rollout = MultiTurnRollout(
+        lambda: TRLEnvironmentAdapter(env_class()), ChatToolProtocol(max_observation_tokens=None), tok,
+        RolloutConfig(max_turns=args.turns, max_completion_length=args.max_completion_length, env_timeout=None),
+    )
+    gen = TransformersGenerator(model, tok, logits_processor=W.ScriptedToolCalls(tok, wl.scripts))
+    trajs = rollout.run([dict(x) for x in wl.examples], gen, SamplingParams())
+    rollout.close()
+    for t in trajs:  # the sampling log-probs of forced tokens are 0; give them a plausible old policy value
+        t.logprobs = [-1.0 if m else 0.0 for m in t.action_mask]
+    return wl.examples, trajs, env_class
+
+
+class TrainingMeter:
+    """Times ``training_step`` and counts the tokens its forwards process (hook on the model)."""
+
+    def __init__(self, trainer, model):
+        self.seconds, self.processed, self.real, self.calls = 0.0, 0, 0, 0
+        self._active = False
+        original = trainer.training_step
+
+        def timed(*a, **k):
+            self._active = True
+            start = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.seconds += time.perf_counter() - start
+                self._active = False
+
+        trainer.training_step = timed
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        if not self._active:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        self.calls += 1
+        self.processed += ids.numel()
+        self.real += int(mask.sum()) if mask is not None else ids.numel()
+
+    def close(self):
+        self.handle.remove()
+
+
+def common_args(args, out_dir: str) -> dict:
+    return dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.trajectories // args.micro_batch,
+        num_generations=args.group_size,
+        max_completion_length=args.max_completion_length,
+        max_steps=args.steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=args.device == "cpu",
+        bf16=args.dtype == "bf16",
+        seed=args.seed,
+        beta=0.0,
+        num_iterations=1,
+    )
+
+
+def train_trl(base_model, tok, rows, trajs, args) -> dict:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def rollout_func(prompts, trainer):
+        if len(prompts) != len(trajs):
+            raise RuntimeError(f"rollout_func got {len(prompts)} prompts; the fixed batch has {len(trajs)}.")
+        return {
+            "prompt_ids": [list(t.prompt_ids) for t in trajs],
+            "completion_ids": [list(t.completion_ids) for t in trajs],
+            "logprobs": [list(t.logprobs) for t in trajs],
+            "env_mask": [list(t.action_mask) for t in trajs],
+        }
+
+    model = copy.deepcopy(base_model).train()
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[length_reward], args=GRPOConfig(**common_args(args, tempfile.mkdtemp())),
+        processing_class=tok, train_dataset=Dataset.from_list(rows), rollout_func=rollout_func,
+    )
+    return _train(trainer, model, trajs, args)
+
+
+def train_ours(base_model, tok, rows, trajs, env_class, args) -> dict:
+    from datasets import Dataset
+
+    from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    model = copy.deepcopy(base_model).train()
+    kw = common_args(args, tempfile.mkdtemp())
+    kw.update(max_turns=args.turns, max_observation_tokens=None)
+    trainer = MultiTurnGRPOTrainer(
+        model=model, reward_funcs=[length_reward], args=MultiTurnGRPOConfig(**kw), processing_class=tok,
+        train_dataset=Dataset.from_list(rows), environment_factory=env_class,
+    )
+    trainer._run_rollout = lambda inputs: copy.deepcopy(trajs)  # the fixed batch instead of a fresh rollout
+    return _train(trainer, model, trajs, args)
+
+
+def _train(trainer, model, trajs, args) -> dict:
+    meter = TrainingMeter(trainer, model)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    meter.close()
+    useful = args.steps * sum(len(t.completion_ids) for t in trajs)
+    return {
+        "train_wall_s": wall,
+        "training_step_s": meter.seconds,
+        "step_s": meter.seconds / args.steps,
+        "forward_calls": meter.calls,
+        "tokens_processed": meter.processed,
+        "useful_token_fraction": useful / max(meter.processed, 1),
+        "real_token_fraction": meter.real / max(meter.processed, 1),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="default: smollm2 on CUDA, random-tiny on CPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--trajectories", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--min-think", type=int, default=2)
+    parser.add_argument("--max-think", type=int, default=40)
+    parser.add_argument("--max-completion-length", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps per measurement")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results/train_step.json")
+    args = parser.parse_args(argv)
+    args.model = args.model or ("smollm2" if args.device == "cuda" else "random-tiny")
+    if args.trajectories % args.micro_batch:
+        raise ValueError(f"--trajectories {args.trajectories} must be a multiple of --micro-batch {args.micro_batch}.")
+    if args.device == "cpu" and args.threads:
+        torch.set_num_threads(args.threads)
+
+    base, tok = W.load_policy(args.model, args.dtype, args.device)
+    rows, trajs, env_class = make_batch(base, tok, args)
+    lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
+    print(f"batch: {len(trajs)} trajectories, {sum(t.num_turns for t in trajs)} turns, lengths {min(lengths)}..{max(lengths)}")
+    sides = {"trl": lambda: train_trl(base, tok, rows, trajs, args),
+             "ours": lambda: train_ours(base, tok, rows, trajs, env_class, args)}
+    rounds = []
+    for r in range(args.repeats):
+        res = {}
+        for name in (["trl", "ours"] if r % 2 == 0 else ["ours", "trl"]):
+            res[name] = sides[name]()
+            print(f"  round {r}: {name:4s} step {res[name]['step_s']:.2f} s", flush=True)
+        rounds.append(res)
+    keys = list(rounds[0]["trl"])
+    med = {s: {k: (statistics.median(rd[s][k] for rd in rounds) if rounds[0][s][k] is not None else None) for k in keys}
+           for s in sides}
+    print(f"\n{'':30s}{'TRL 1.16':>12s}{'ours':>12s}")
+    for label, key, fmt in [
+        ("training_step time / step (s)", "step_s", "{:.2f}"),
+        ("train() wall (s)", "train_wall_s", "{:.2f}"),
+        ("tokens processed", "tokens_processed", "{:.0f}"),
+        ("useful-token fraction", "useful_token_fraction", "{:.3f}"),
+        ("real-token fraction", "real_token_fraction", "{:.3f}"),
+        ("forward calls", "forward_calls", "{:.0f}"),
+        ("peak memory (GiB)", "peak_memory_gib", "{:.2f}"),
+    ]:
+        a, b = med["trl"][key], med["ours"][key]
+        print(f"{label:30s}{(fmt.format(a) if a is not None else 'n/a'):>12s}{(fmt.format(b) if b is not None else 'n/a'):>12s}")
+    speed = med["trl"]["step_s"] / med["ours"]["step_s"]
+    print(f"\nstep-time ratio TRL / ours: {speed:.2f}x")
+    result = {"benchmark": "train_step", "settings": vars(args), "median": med, "step_speedup": speed,
+              "batch_lengths": lengths, "rounds": rounds}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
