@@ -81,10 +81,10 @@ def build_trl_trainer(model, tok, wl, env_class, args, out_dir: str):
     return trainer, captured
 
 
-def run_trl(trainer, captured, wl, counter, clock) -> dict:
+def run_trl(trainer, captured, examples, counter, clock) -> dict:
     counter.reset()
     clock.reset()
-    inputs = [dict(x) for x in wl.examples]
+    inputs = [dict(x) for x in examples]
     start = time.perf_counter()
     try:
         trainer._generate_and_score_completions(inputs)
@@ -96,10 +96,12 @@ def run_trl(trainer, captured, wl, counter, clock) -> dict:
     for p, c, m in zip(prompt_ids, completion_ids, tool_mask):
         turns = sum(1 for j, v in enumerate(m) if v == 1 and (j == 0 or m[j - 1] == 0))
         trajs.append({"ids": list(p) + list(c), "turns": turns, "generated": int(sum(m)), "observation": len(m) - int(sum(m))})
-    return _summary(wall, trajs, counter.counts, env_busy=clock.seconds, env_blocked=clock.seconds)
+    result = _summary(wall, trajs, counter.counts, env_busy=clock.seconds, env_blocked=clock.seconds)
+    result["first_turn_prefill_tokens"] = sum(len(p) for p in prompt_ids)  # TRL prefills every prompt in full
+    return result
 
 
-def run_ours(model, tok, wl, env_class, script, args, counter, clock) -> dict:
+def run_ours(model, tok, examples, env_class, script, args, counter, clock) -> dict:
     from trl_multiturn.generation import SamplingParams, TransformersGenerator
     from trl_multiturn.protocols import ChatToolProtocol
     from trl_multiturn.rollout import MultiTurnRollout, RolloutConfig
@@ -119,7 +121,7 @@ def run_ours(model, tok, wl, env_class, script, args, counter, clock) -> dict:
     )
     start = time.perf_counter()
     with torch.no_grad():
-        out = rollout.run([dict(x) for x in wl.examples], generator, SamplingParams(temperature=args.temperature))
+        out = rollout.run([dict(x) for x in examples], generator, SamplingParams(temperature=args.temperature))
     wall = time.perf_counter() - start
     stats = rollout.last_stats
     rollout.close()
@@ -128,6 +130,7 @@ def run_ours(model, tok, wl, env_class, script, args, counter, clock) -> dict:
         for t in out
     ]
     result = _summary(wall, trajs, counter.counts, env_busy=clock.seconds, env_blocked=stats["env_time_s"])
+    result["first_turn_prefill_tokens"] = stats["first_turn_prefill_tokens"]
     result["generator_stats"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in generator.stats.items()}
     return result
 
@@ -190,11 +193,11 @@ def main(argv=None) -> dict:
     trainer, captured = build_trl_trainer(model, tok, wl, env_class, args, tempfile.mkdtemp(prefix="bench_trl_"))
     model.eval()
 
-    sides = {"trl": lambda: run_trl(trainer, captured, wl, counter, clock),
-             "ours": lambda: run_ours(model, tok, wl, env_class, script, args, counter, clock)}
-    print(f"warm-up ({args.model}, {args.device}, {args.trajectories} trajectories x {args.turns} turns) ...", flush=True)
+    sides = {"trl": lambda ex=wl.examples: run_trl(trainer, captured, ex, counter, clock),
+             "ours": lambda ex=wl.examples: run_ours(model, tok, ex, env_class, script, args, counter, clock)}
+    print(f"{args.model} on {args.device}: {args.trajectories} trajectories x {args.turns} turns; warm-up ...", flush=True)
     for side in sides.values():
-        side()
+        side(wl.examples[: args.group_size])  # one group: first-call costs out of the way
     rounds = []
     for r in range(args.repeats):
         order = ["trl", "ours"] if r % 2 == 0 else ["ours", "trl"]
@@ -210,12 +213,16 @@ def main(argv=None) -> dict:
         for a, b in zip(rounds[0]["trl"]["_trajs"], rounds[0]["ours"]["_trajs"])
     )
     keys = ["wall_s", "trajectories_per_s", "generated_tokens_per_s", "generated_tokens", "observation_tokens",
-            "prefill_tokens", "prefill_positions", "decode_positions", "forward_calls", "prefill_per_generated",
+            "prefill_tokens", "first_turn_prefill_tokens", "prefill_positions", "decode_positions", "forward_calls", "prefill_per_generated",
             "env_busy_s", "env_wait_s"]
     med = {side: {k: statistics.median(rd[side][k] for rd in rounds) for k in keys} for side in sides}
     ratios = [rd["ours"]["trajectories_per_s"] / rd["trl"]["trajectories_per_s"] for rd in rounds]
-    first_turn_prefill = sum(len(p) for p in wl.prompt_ids)
-    later = {side: (med[side]["prefill_tokens"] - first_turn_prefill) / max(med[side]["generated_tokens"], 1) for side in sides}
+    later_prefill = {side: med[side]["prefill_tokens"] - med[side]["first_turn_prefill_tokens"] for side in sides}
+    later = {side: later_prefill[side] / max(med[side]["generated_tokens"], 1) for side in sides}
+    # tokens appended after the first turn: every observation, plus each turn's last sampled token (it is fed to the
+    # model only with the next turn's prefill)
+    appended = med["ours"]["observation_tokens"] + sum(t - 1 for t in rounds[0]["ours"]["turns"])
+    per_new = {side: later_prefill[side] / max(appended, 1) for side in sides}
 
     print()
     print(f"{'':34s}{'TRL 1.16':>14s}{'ours':>14s}")
@@ -226,6 +233,7 @@ def main(argv=None) -> dict:
         ("generated tokens", "generated_tokens", "{:.0f}"),
         ("observation tokens", "observation_tokens", "{:.0f}"),
         ("prefill tokens", "prefill_tokens", "{:.0f}"),
+        ("  of which first turn (prompts)", "first_turn_prefill_tokens", "{:.0f}"),
         ("prefill positions (with padding)", "prefill_positions", "{:.0f}"),
         ("decode positions (with padding)", "decode_positions", "{:.0f}"),
         ("forward calls", "forward_calls", "{:.0f}"),
@@ -236,6 +244,7 @@ def main(argv=None) -> dict:
     for label, key, fmt in rows:
         print(f"{label:34s}{fmt.format(med['trl'][key]):>14s}{fmt.format(med['ours'][key]):>14s}")
     print(f"{'prefill / generated, turns >= 2':34s}{later['trl']:>14.2f}{later['ours']:>14.2f}")
+    print(f"{'prefill / appended token, turns >= 2':34s}{per_new['trl']:>14.2f}{per_new['ours']:>14.2f}")
     print(f"{'turns per trajectory':34s}{str(rounds[0]['trl']['turns']):>14s}  {rounds[0]['ours']['turns']}")
     print(f"\nspeed-up ours / TRL (trajectories/s), per round: {', '.join(f'{x:.2f}' for x in ratios)}; "
           f"median {statistics.median(ratios):.2f}x")
@@ -251,6 +260,7 @@ def main(argv=None) -> dict:
         "speedup_per_round": ratios,
         "speedup_median": statistics.median(ratios),
         "prefill_per_generated_after_first_turn": later,
+        "prefill_per_appended_token_after_first_turn": per_new,
         "same_work": same_work,
         "identical_token_ids": same_ids,
         "turns": {side: rounds[0][side]["turns"] for side in sides},

@@ -58,7 +58,8 @@ class SearchAgentArguments:
     sft_num_examples: int = field(default=256, metadata={"help": "Expert trajectories used for the warm start."})
     sft_epochs: float = field(default=1.0, metadata={"help": "Epochs of the warm start."})
     sft_learning_rate: float = field(default=1e-3, metadata={"help": "Learning rate of the warm start."})
-    sft_batch_size: int = field(default=8, metadata={"help": "Per-device batch size of the warm start."})
+    sft_batch_size: int = field(default=4, metadata={"help": "Per-device batch size of the warm start."})
+    sft_gradient_accumulation_steps: int = field(default=2, metadata={"help": "Gradient accumulation of the warm start."})
     grpo: bool = field(default=True, metadata={"help": "Run the GRPO stage."})
     merge_adapter: bool = field(default=False, metadata={"help": "Also save the adapter merged into the base weights (output_dir/merged)."})
 
@@ -75,7 +76,7 @@ DEFAULTS = dict(
     num_generations=4,
     prompts_per_rollout=4,
     mini_batch_size=16,
-    micro_batch_size=8,
+    micro_batch_size=4,
     max_turns=4,
     max_completion_length=640,
     max_tokens_per_turn=96,
@@ -256,7 +257,8 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
             output_dir=str(out_dir / "sft"), num_train_epochs=script_args.sft_epochs,
             learning_rate=script_args.sft_learning_rate, per_device_train_batch_size=script_args.sft_batch_size,
             logging_steps=5, save_strategy="no", report_to=training_args.report_to, bf16=training_args.bf16,
-            max_length=None, seed=training_args.seed, gradient_checkpointing=training_args.gradient_checkpointing,
+            max_length=None, seed=training_args.seed, gradient_checkpointing=True,
+            gradient_accumulation_steps=script_args.sft_gradient_accumulation_steps,
             lr_scheduler_type="cosine", warmup_steps=0.05,
         )
         sft_trainer = train_sft(model, tokenizer, trajectories, sft_args, peft_config=peft_config)

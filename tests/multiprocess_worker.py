@@ -64,7 +64,7 @@ class ScriptedClient:
                  generation_kwargs=None):
         self.events.append({"event": "generate", "rows": len(prompts), "max_tokens": max_tokens})
         completions = []
-        for k, ids in enumerate(prompts):
+        for ids in prompts:
             text = self.reply(self.tokenizer.decode(ids), prompts[0] == ids)
             completions.append(self.tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens])
         return {

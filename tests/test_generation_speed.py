@@ -258,6 +258,24 @@ def test_stop_strings_end_the_turn_inside_the_backend(smollm2_tokenizer, tiny):
     assert gen.stats["decode_positions"] == len(out.ids) - 1  # and the stop token itself was never fed
 
 
+def test_kv_reuse_through_a_peft_adapter(smollm2_tokenizer, tiny):
+    """A LoRA-wrapped policy (what the trainer generates with under peft_config) keeps K/V across turns too."""
+    from peft import LoraConfig, get_peft_model
+
+    tok = smollm2_tokenizer
+    model = get_peft_model(tiny, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    fast, reference = TransformersGenerator(model, tok), TransformersGenerator(model, tok, kv_reuse=False)
+    assert fast.kv_reuse
+    contexts = random_contexts(2, seed=9)
+    sessions = [fast.new_session() for _ in contexts]
+    for turn in range(2):
+        a = reference.generate(contexts, 5, SamplingParams(greedy=True))
+        b = fast.generate(contexts, 5, SamplingParams(greedy=True), sessions=sessions)
+        assert [o.ids for o in a] == [o.ids for o in b]
+        contexts = [c + o.ids + [321, 654] for c, o in zip(contexts, a)]
+    assert all(o.cached_tokens > 0 for o in b)
+
+
 def test_reference_path_for_models_without_a_transformers_cache(smollm2_tokenizer):
     tok = smollm2_tokenizer
     lm = ScriptedLM([ids(tok, "short")], len(tok), tok.eos_token_id)
@@ -390,6 +408,20 @@ def test_vllm_server_mode_through_the_client(smollm2_tokenizer):
     assert call["stop"] == ["</answer>"] and call["include_stop_str_in_output"] and call["max_tokens"] == 64
     assert outs[0].finish_reason == "stop" and outs[0].logprobs == [-0.2] * len(outs[0].ids)
     assert len(outs[1].ids) == 2 and outs[1].finish_reason == "length"  # cut to its own budget
+
+
+def test_vllm_generator_from_trls_vllm_generation(smollm2_tokenizer):
+    """``from_trl`` reads the mode, the engine or client, and TRL's generation_kwargs from ``trainer.vllm_generation``."""
+    tok = smollm2_tokenizer
+    client = FakeClient(tok, "<answer>Paris</answer>")
+    accelerator = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
+    trl_side = SimpleNamespace(mode="server", vllm_client=client, accelerator=accelerator, generation_kwargs={"seed": 7})
+    gen = VLLMGenerator.from_trl(trl_side, tok)
+    (out,) = gen.generate([ids(tok, "Q")], 16, SamplingParams(stop_strings=("</answer>",)))
+    assert client.calls[0]["seed"] == 7 and out.finish_reason == "stop"
+    llm = FakeLLM(tok, "x")
+    colocate = SimpleNamespace(mode="colocate", llm=llm, accelerator=accelerator, generation_kwargs=None, tensor_parallel_size=1)
+    assert VLLMGenerator.from_trl(colocate, tok).llm is llm
 
 
 class ThreadCollectives(Collectives):

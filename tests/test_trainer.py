@@ -364,4 +364,5 @@ def test_balanced_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_token
     for key in ("loss/pg_loss", "grad_norm", "reward"):
         assert logged(runs[True], key) == pytest.approx(logged(runs[False], key), abs=1e-5, rel=1e-4), key
     plain, balanced = logged(runs[False], "perf/useful_token_frac"), logged(runs[True], "perf/useful_token_frac")
-    assert all(b > p for b, p in zip(balanced, plain)), (balanced, plain)
+    assert all(b >= p for b, p in zip(balanced, plain)) and any(b > p for b, p in zip(balanced, plain)), (
+        balanced, plain)

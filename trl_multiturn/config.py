@@ -14,6 +14,7 @@ this trainer. ``bf16`` defaults to False unless the machine supports it.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -40,6 +41,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
     max_observation_tokens (`int`, defaults to `512`): observations are cut to this many tokens with a marker.
     env_timeout (`float`, defaults to `30.0`): seconds an environment call may take before it counts as failed.
     raise_on_env_error (`bool`, defaults to `False`): raise instead of recording a failed environment call.
+    on_long_prompt (`str`, defaults to `"error"`): a prompt that does not fit the model's context raises ("error")
+        or is dropped from the rollout and counted ("skip").
 
     > Parameters that control the loss and the advantages
 
@@ -71,6 +74,13 @@ class MultiTurnGRPOConfig(GRPOConfig):
     raise_on_env_error: bool = field(
         default=False,
         metadata={"help": "Raise on a failed environment call instead of recording it and dropping the trajectory."},
+    )
+    on_long_prompt: str = field(
+        default="error",
+        metadata={
+            "help": "A prompt at least as long as the model's context: 'error' raises naming the example; 'skip' drops "
+            "that trajectory from the loss and counts it in rollout/skipped_prompts."
+        },
     )
 
     # > Parameters that control the loss and advantages
@@ -126,12 +136,31 @@ class MultiTurnGRPOConfig(GRPOConfig):
     def __post_init__(self):
         if self.bf16 is None:  # TRL defaults to bf16=True; only where the hardware supports it
             self.bf16 = _bf16_supported()
-        import torch
 
         from .advantages import VALID_TURN_ADVANTAGES
-        from .loss import aggregate_loss
+        from .loss import VALID_AGGREGATIONS
 
-        aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), self.loss_aggregation)  # raises with the valid names
+        if self.loss_aggregation not in VALID_AGGREGATIONS:
+            raise ValueError(
+                f"loss_aggregation={self.loss_aggregation!r} is not supported; choose one of {list(VALID_AGGREGATIONS)} "
+                "(default 'seq-mean-token-mean')."
+            )
+        checks = (  # (field, valid?, what a valid value looks like)
+            ("ppo_epochs", self.ppo_epochs is None or self.ppo_epochs >= 1, "an int >= 1, e.g. 1"),
+            ("max_tokens_per_turn", self.max_tokens_per_turn is None or self.max_tokens_per_turn >= 1,
+             "None (no cap) or an int >= 1"),
+            ("max_observation_tokens", self.max_observation_tokens is None or self.max_observation_tokens >= 1,
+             "None (no cap) or an int >= 1, e.g. 512"),
+            ("env_timeout", self.env_timeout is None or self.env_timeout > 0, "None (no limit) or seconds > 0, e.g. 30.0"),
+            ("turn_advantage_gamma", 0.0 <= self.turn_advantage_gamma <= 1.0, "a discount in [0, 1], e.g. 1.0"),
+            ("turn_advantage_weight", math.isfinite(self.turn_advantage_weight), "a finite number, e.g. 1.0"),
+            ("advantage_eps", self.advantage_eps >= 0 and math.isfinite(self.advantage_eps), "a number >= 0, e.g. 1e-6"),
+            ("scale_rewards", self.scale_rewards in ("group", "batch", "none", True, False), "'group', 'batch' or 'none'"),
+            ("on_long_prompt", self.on_long_prompt in ("error", "skip"), "'error' or 'skip'"),
+        )
+        for name, valid, alternative in checks:
+            if not valid:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not valid; use {alternative}.")
         if self.turn_advantage not in VALID_TURN_ADVANTAGES:
             raise ValueError(
                 f"turn_advantage={self.turn_advantage!r} is not supported; choose one of {list(VALID_TURN_ADVANTAGES)}."

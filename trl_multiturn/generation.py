@@ -354,7 +354,7 @@ class TransformersGenerator:
 
     # ------------------------------------------------------------------ public API
     def reset_stats(self) -> None:
-        """Zero the counters in ``stats`` (see :meth:`step` for what they count)."""
+        """Zero the counters in ``stats`` (what each counts is noted next to it)."""
         self.stats = {
             "prefill_tokens": 0,  # real context tokens computed by prefill forwards
             "prefill_positions": 0,  # prefill query positions computed, padding included
@@ -370,7 +370,12 @@ class TransformersGenerator:
         }
 
     def new_session(self) -> GenerationSession:
-        """A session for one trajectory, with a sampling seed drawn from ``generator`` (or torch's default RNG)."""
+        """A session for one trajectory, with a sampling seed drawn from ``generator`` (or torch's default RNG).
+
+        On the reference path sessions are accepted and ignored (no seed is drawn: that path samples each batch from
+        ``generator`` itself)."""
+        if not self.kv_reuse:
+            return GenerationSession()
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         return GenerationSession(seed=seed)
 
@@ -404,8 +409,8 @@ class TransformersGenerator:
             self._params = params
             self._stop = _StopChecker(self.tokenizer, self.eos_token_ids, tuple(params.stop_strings))
         keep = session is not None
-        if session is None:  # one-off row: no K/V kept; the reference path samples from the shared generator
-            session = self.new_session() if self.kv_reuse else GenerationSession()
+        if session is None:  # a one-off row: its K/V are not kept
+            session = self.new_session()
         request = _Request(key, session, list(context), int(max_new_tokens), keep)
         (self._queue if max_new_tokens > 0 else self._ready).append(request)
 
@@ -448,7 +453,7 @@ class TransformersGenerator:
         if len(keep) < len(batch.rows):
             self._leave(batch, keep)
             batch = self._batch
-            tokens = tokens[torch.tensor(keep, dtype=torch.long)] if keep else tokens[:0]
+            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=tokens.device)] if keep else tokens[:0]
         if batch is not None and batch.rows:
             self._decode(batch, tokens)
         return done

@@ -156,6 +156,13 @@ class TagProtocol(Protocol):
             r"</?(" + "|".join(re.escape(t) for t in self.reserved_tags) + r")>", re.IGNORECASE
         )
 
+    def validate(self, tokenizer) -> None:
+        if self.use_chat_template and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "TagProtocol(use_chat_template=True) needs a tokenizer with a chat template; this tokenizer has none. "
+                "Set tokenizer.chat_template, or use TagProtocol(use_chat_template=False) to give the prompt as text."
+            )
+
     def prompt_ids(self, tokenizer, prompt: Any, tools: list | None = None) -> list[int]:
         return _render_prompt_ids(tokenizer, prompt, self.use_chat_template)
 

@@ -26,8 +26,8 @@ Sampling is per trajectory (each ``GenerationSession`` has its own seed, drawn i
 the order in which environments answer nor the batch a row shares changes the ids of a trajectory; with greedy
 decoding the ids equal those of the reference loop (``TransformersGenerator(kv_reuse=False)``), which tests prove.
 
-``last_stats`` after ``run``: ``prefill_tokens`` (context tokens computed before sampling, all turns),
-``cached_tokens`` (context tokens whose K/V were reused), ``generated_tokens``, ``observation_tokens``,
+``last_stats`` after ``run``: ``prefill_tokens`` (context tokens computed before sampling, all turns; of which
+``first_turn_prefill_tokens`` for the prompts), ``cached_tokens`` (context tokens whose K/V were reused), ``generated_tokens``, ``observation_tokens``,
 ``turns``, ``env_time_s`` (wall time the loop was blocked on environments: resets, and steps while nothing could
 be generated), ``env_busy_s`` (sum of the durations of every environment call), ``generation_s`` and ``wall_s``.
 """
@@ -118,6 +118,13 @@ class RolloutConfig:
     max_context_length: int | None = None
     env_timeout: float | None = 30.0
     raise_on_env_error: bool = False
+    on_long_prompt: str = "error"
+
+
+def _preview(example: Any, limit: int = 120) -> str:
+    """A short one-line ``repr`` of a dataset row, for messages that must say which example was at fault."""
+    text = repr(example)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _observation_text(obs: Any) -> tuple[str, str | None]:
@@ -143,6 +150,7 @@ class _Run:
     turn_capped: dict[int, bool] = field(default_factory=dict)
     env_s: list[float] = field(default_factory=list)  # per trajectory: seconds in its environment calls
     prefill_tokens: int = 0
+    first_turn_prefill_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
     env_blocked_s: float = 0.0
@@ -172,13 +180,17 @@ class MultiTurnRollout:
     def close(self):
         self._runner.close()
 
-    def _fail(self, traj: Trajectory, what: str, err: BaseException, example_index: int) -> None:
+    def _fail(self, traj: Trajectory, what: str, err: BaseException, example_index: int, env: Any = None) -> None:
         message = f"{what} failed: {type(err).__name__}: {err}"
         traj.info.setdefault("env_errors", []).append(message)
         traj.info["failed"] = True
+        name = type(env).__name__ if env is not None else "environment"
+        example = traj.info.get("example", "")
         if self.config.raise_on_env_error:
-            raise EnvironmentError_(f"Environment {what} for example {example_index} failed: {err}") from err
-        logger.warning("Environment %s for example %d failed (trajectory dropped): %s", what, example_index, err)
+            raise EnvironmentError_(f"{name}.{what} for example {example_index} {example} failed: {err}") from err
+        logger.warning(
+            "%s.%s for example %d %s failed (trajectory dropped): %s", name, what, example_index, example, err
+        )
 
     # ------------------------------------------------------------------ entry point
     def run(self, examples: list[dict], generator, sampling: SamplingParams) -> list[Trajectory]:
@@ -199,18 +211,31 @@ class MultiTurnRollout:
                 except ValueError as exc:
                     err = exc
             if err is not None:
-                traj = Trajectory(prompt_ids=[tok.eos_token_id])
-                self._fail(traj, "reset", err, i)
+                traj = Trajectory(prompt_ids=[tok.eos_token_id], info={"example": _preview(examples[i])})
+                self._fail(traj, "reset", err, i, env)
                 traj.info["stop_reason"] = "reset_error"
                 st.trajs.append(traj)
                 st.done.append(True)
                 continue
             if cfg.max_context_length is not None and len(ids) >= cfg.max_context_length:
-                raise ValueError(
-                    f"Example {i}: the prompt is {len(ids)} tokens, not shorter than the model context "
-                    f"max_context_length={cfg.max_context_length}. Shorten the prompt or filter the dataset."
+                message = (
+                    f"Example {i} {_preview(examples[i])}: the prompt is {len(ids)} tokens, not shorter than the model "
+                    f"context max_context_length={cfg.max_context_length}."
                 )
-            st.trajs.append(Trajectory(prompt_ids=ids, info={"actions": [], "stop_reason": None}))
+                if cfg.on_long_prompt != "skip":
+                    raise ValueError(
+                        f"{message} Shorten the prompt, filter the dataset, or set on_long_prompt='skip' to drop such "
+                        "examples with a count (rollout/skipped_prompts)."
+                    )
+                logger.warning("%s Skipped (on_long_prompt='skip'): dropped from the loss.", message)
+                info = {"failed": True, "skipped": "prompt_too_long", "stop_reason": "prompt_too_long",
+                        "example": _preview(examples[i])}
+                st.trajs.append(Trajectory(prompt_ids=[tok.eos_token_id], info=info))
+                st.done.append(True)
+                continue
+            st.trajs.append(
+                Trajectory(prompt_ids=ids, info={"actions": [], "stop_reason": None, "example": _preview(examples[i])})
+            )
             st.done.append(False)
 
         if getattr(generator, "supports_streaming", False) and callable(getattr(generator, "submit", None)):
@@ -231,6 +256,7 @@ class MultiTurnRollout:
             t.info["env_time_s"] = seconds
         self.last_stats = {
             "prefill_tokens": st.prefill_tokens,
+            "first_turn_prefill_tokens": st.first_turn_prefill_tokens,
             "cached_tokens": st.cached_tokens,
             "generated_tokens": st.generated_tokens,
             "observation_tokens": sum(t.num_observation_tokens for t in trajs),
@@ -265,6 +291,8 @@ class MultiTurnRollout:
         """Append a sampled turn; returns the action for the environment, or None when the trajectory ended."""
         t = st.trajs[i]
         st.prefill_tokens += out.prefill_tokens
+        if t.num_turns == 0:
+            st.first_turn_prefill_tokens += out.prefill_tokens
         st.cached_tokens += getattr(out, "cached_tokens", 0)
         st.generated_tokens += len(out.ids)
         t.add_action(out.ids, out.logprobs)
@@ -285,7 +313,7 @@ class MultiTurnRollout:
         if err is None and not isinstance(step, Step):
             err = TypeError(f"step() must return a Step, got {type(step).__name__}")
         if err is not None:
-            self._fail(t, "step", err, i)
+            self._fail(t, "step", err, i, st.envs[i])
             t.info["stop_reason"], st.done[i] = "env_error", True
             return False
         t.turn_rewards[-1] = float(step.reward)

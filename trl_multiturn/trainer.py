@@ -27,12 +27,14 @@ from collections import Counter, defaultdict
 from typing import Any, Callable
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import split_tensor_dict
 
 from .advantages import group_advantages, turn_advantages
 from .batching import balanced_partition
+from .checkpointing import AtomicCheckpointMixin
 from .config import MultiTurnGRPOConfig
 from .generation import SamplingParams, TransformersGenerator
 from .loss import aggregate_loss, kl_penalty, loss_normalizers, policy_loss
@@ -55,7 +57,20 @@ def _env_reward(completions, env_reward, **kwargs) -> list[float]:
 _env_reward.__name__ = "env_reward"
 
 
-class MultiTurnGRPOTrainer(GRPOTrainer):
+class _SkipEmptyUpdate(TrainerCallback):
+    """Skips the optimizer update of a step whose rollout lost every trajectory (environment failures, non-finite
+    rewards, skipped prompts). Its gradient is zero, but Adam would still move the parameters with the moments of
+    earlier steps; with the gradients set to None the optimizer leaves parameters, moments and step count alone."""
+
+    def __init__(self, trainer: "MultiTurnGRPOTrainer"):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer._rollout_all_dropped:
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+
+
+class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     """Multi-turn GRPO trainer.
 
     Args:
@@ -146,6 +161,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
 
         self.protocol = protocol
         self._environment_factory = factory
+        self._environment_name = type(probe).__name__
+        self._rollout_all_dropped = False
         self._pending_trajectories: list[Trajectory] | None = None
         self._step_accumulator: dict[str, float] = defaultdict(float)
         super().__init__(
@@ -184,8 +201,10 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 max_context_length=max_context,
                 env_timeout=args.env_timeout,
                 raise_on_env_error=args.raise_on_env_error,
+                on_long_prompt=args.on_long_prompt,
             ),
         )
+        self.add_callback(_SkipEmptyUpdate(self))
         self._sampling_generator = torch.Generator().manual_seed(args.seed)
 
     # ------------------------------------------------------------------ rollout
@@ -261,14 +280,28 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         failed = self.accelerator.gather(local_failed)  # (B_global,)
         dropped = bad | failed
         n_drop = int(dropped.sum())
-        if n_drop:
-            logger.warning(
-                "%d of %d trajectories dropped from the loss (environment failure or non-finite reward).",
-                n_drop, len(dropped),
-            )
         start = self.accelerator.process_index * len(trajs)
         local = slice(start, start + len(trajs))
         local_dropped = dropped[local]
+        if n_drop:
+            names = list(self.reward_func_names)
+            reasons = []
+            for i, t in enumerate(trajs):
+                if not bool(local_dropped[i]):
+                    continue
+                row = rpf[start + i].tolist()
+                why = "; ".join(t.info.get("env_errors", [])) or t.info.get("skipped") or ", ".join(
+                    f"{n}={v}" for n, v in zip(names, row) if not math.isfinite(v)
+                )
+                reasons.append(f"example {i} {t.info.get('example', '')}: {why}")
+            logger.warning(
+                "%d of %d trajectories from %s dropped from the loss and from their group's baseline%s: %s%s",
+                n_drop, len(dropped), self._environment_name,
+                " (all of them: this step's optimizer update is skipped)" if n_drop == len(dropped) else "",
+                " | ".join(reasons[:8]), " | ..." if len(reasons) > 8 else "",
+            )
+        if mode == "train":
+            self._rollout_all_dropped = n_drop == len(dropped)
         for t, d, r in zip(trajs, local_dropped.tolist(), rewards[local].tolist()):
             t.reward = float("nan") if d else float(r)
 
@@ -320,6 +353,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             keep = (~excluded).long().unsqueeze(1)  # (B_local, 1)
             output["tool_mask"] = output["tool_mask"] * keep
         self._metrics[mode]["rollout/dropped_frac"].append(float(dropped.float().mean()))
+        self._metrics[mode]["rollout/skipped_update"].append(float(n_drop == len(dropped)))
 
     # ------------------------------------------------------------------ metrics
     def _log_rollout_metrics(self, trajs: list[Trajectory], mode: str) -> None:
@@ -327,7 +361,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             [
                 t.num_turns,
                 float(t.truncated),
-                float(bool(t.info.get("failed"))),
+                float(bool(t.info.get("failed")) and not t.info.get("skipped")),
                 len(t.info.get("env_errors", [])),
                 t.num_action_tokens,
                 t.num_observation_tokens,
@@ -335,11 +369,16 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 sum(1 for k in t.info.get("actions", []) if k == "answer"),
                 sum(1 for k in t.info.get("actions", []) if k == "invalid"),
                 float(t.info.get("observation_truncated", 0)),
+                float(t.info.get("observation_sanitized", 0)),
+                float(len(t.info.get("observation_problems", []))),
+                float(t.info.get("skipped") is not None),
             ]
             for t in trajs
         ]
         stats = self.accelerator.gather(torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device))
-        turns, trunc, failed, errors, a_tok, o_tok, tool, answer, invalid, obs_trunc = stats.T
+        turns, trunc, failed, errors, a_tok, o_tok, tool, answer, invalid, obs_trunc, sanitized, problems, skipped = (
+            stats.T
+        )
         total_actions = (tool + answer + invalid).sum().clamp(min=1)
         m = self._metrics[mode]
         m["rollout/turns_mean"].append(turns.mean().item())
@@ -353,6 +392,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         m["env/errors"].append(errors.sum().item())
         m["env/failed_frac"].append(failed.mean().item())
         m["env/observations_truncated"].append(obs_trunc.sum().item())
+        m["env/observations_sanitized"].append(sanitized.sum().item())
+        m["env/observation_problems"].append(problems.sum().item())
+        m["rollout/skipped_prompts"].append(skipped.sum().item())
         rewards = self.accelerator.gather(
             torch.tensor([t.reward for t in trajs], dtype=torch.float32, device=self.accelerator.device)
         )

@@ -13,7 +13,7 @@ import torch
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
-    """torch.set_num_threads(1) for each module of the reliability suite (module scope, so that module-scoped training runs get it too)."""
+    """``torch.set_num_threads(1)`` for each module of the suite (module scope: module-scoped training runs get it)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -221,7 +221,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise _RequestError(HTTPStatus.BAD_REQUEST, f"the body has {len(raw)} bytes, {length} were announced")
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, nesting or numbers Python cannot decode
             raise _RequestError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {e}") from None
 
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs the rollout, continuous-batching and training-step benchmarks on one GPU, all results in one folder.
+#
+#   bash benchmarks/run_gpu.sh                       # -> benchmarks/results/gpu-<date>/
+#   bash benchmarks/run_gpu.sh /tmp/bench            # into /tmp/bench
+#   SMOKE=1 DEVICE=cpu bash benchmarks/run_gpu.sh    # the same steps with a tiny random model, to check the script
+#
+# Each step has its own time limit so that the whole script ends within 8 minutes on one GPU (a step that runs out
+# of time is recorded in summary.txt and the next one starts). Every step writes <name>.json and <name>.log.
+set -uo pipefail
+
+OUT=${1:-benchmarks/results/gpu-$(date +%Y%m%d-%H%M%S)}
+PY=${PYTHON:-python}
+DEVICE=${DEVICE:-cuda}
+SMOKE=${SMOKE:-0}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+if [ "$SMOKE" = "1" ]; then
+  SMALL="--model random-tiny --dtype fp32"; BIG="--model random-tiny --dtype fp32"; N=4; G=2; NBIG=4; GBIG=2
+else
+  SMALL="--model smollm2 --dtype bf16"; BIG="--model random-1.7b --dtype bf16"; N=64; G=8; NBIG=32; GBIG=4
+fi
+
+{
+  echo "started $(date -Is)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+  "$PY" -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
+} > "$OUT/machine.txt" 2>&1
+
+step() {  # step NAME SECONDS SCRIPT ARGS...
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$PY" "$@" --device "$DEVICE" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+  grep -E "speed-up|speed ours|step-time ratio|identical token ids" "$OUT/$name.log" | sed "s/^/  /" | tee -a "$OUT/summary.txt"
+}
+
+# 1. rollout, SmolLM2-135M, 64 trajectories (8 prompts x G=8), 4 turns: TRL's multi-turn path vs ours
+step rollout_smollm2 150 benchmarks/rollout.py $SMALL --trajectories $N --group-size $G --turns 4 --repeats 2
+# 2. rollout, a random-weights 1.7B model (Llama shape), 32 trajectories, 4 turns
+step rollout_1.7b 120 benchmarks/rollout.py $BIG --trajectories $NBIG --group-size $GBIG --turns 4 --repeats 1
+# 3. our turn engine vs transformers' continuous batching on the same turns
+step continuous_batching 90 benchmarks/continuous_batching.py $SMALL --trajectories 32 --group-size 4 --repeats 1
+# 4. training step on one rollout batch: TRL's GRPOTrainer vs MultiTurnGRPOTrainer
+step train_step 90 benchmarks/train_step.py $SMALL --trajectories 32 --group-size 8 --micro-batch 8 --steps 2 --repeats 1
+
+echo "finished $(date -Is); results in $OUT" | tee -a "$OUT/summary.txt"
