@@ -54,14 +54,6 @@ VLLM_PATTERN = {
     "empty_rank": {"max_turns": 3, "searches": [[], [1]]},
 }
 
-# Tests of behaviour MultiTurnGRPOTrainer does not have yet; strict, so that they fail as XPASS once it does and
-# the mark is removed.
-needs_rank_seeds = pytest.mark.xfail(
-    strict=True, reason="MultiTurnGRPOTrainer seeds every rank's sampling stream with the same args.seed"
-)
-needs_vllm_routing = pytest.mark.xfail(
-    strict=True, reason="MultiTurnGRPOTrainer._run_rollout does not route use_vllm=True to VLLMGenerator"
-)
 
 
 class TwoRanks:
@@ -256,7 +248,6 @@ def test_split_groups_are_gathered_before_the_advantages(two_ranks):
 
 
 @pytest.mark.slow
-@needs_rank_seeds
 def test_members_of_a_split_group_are_sampled_independently_on_each_rank(two_ranks):
     """Rank 0 holds members 0-1 of the group and rank 1 members 2-3, with the same prompt: with one sampling seed
     for every rank, member 2 repeats member 0 token for token (and 3 repeats 1), halving the group."""
@@ -289,7 +280,6 @@ def test_vllm_generator_call_pattern_over_real_collectives(two_ranks):
 
 
 @pytest.mark.slow
-@needs_vllm_routing
 def test_trainer_with_use_vllm_rolls_out_through_vllm_generator(two_ranks):
     """With ``use_vllm=True`` (a stand-in for TRL's ``VLLMGeneration`` in server mode) the training rollouts go
     through ``VLLMGenerator``: per rollout, the weights are synced first, then every rank makes ``max_turns`` calls

@@ -98,10 +98,17 @@ class BatchPlan:
             )
         if mini % per_pass != 0:
             ok_micro = [m for m in range(1, mini // world + 1) if mini % (m * world) == 0]
+            if ok_micro:
+                hint = f"Valid micro_batch_size values: {ok_micro} (nearest {_nearest(micro, ok_micro)})."
+            else:
+                ok_mini = [d for d in _divisors(rollout) if d % world == 0]
+                hint = (f"No micro_batch_size works: mini_batch_size must be a multiple of world_size={world}; "
+                        + (f"valid mini_batch_size values: {ok_mini}." if ok_mini else
+                           f"no divisor of the rollout ({rollout} trajectories) is. Change train_batch_size, "
+                           "num_generations or the number of processes."))
             raise ValueError(
                 f"BatchPlan: mini_batch_size={mini} is not divisible by micro_batch_size={micro} x "
-                f"world_size={world} = {per_pass}, so it cannot be split into whole accumulation steps. Valid "
-                f"micro_batch_size values: {ok_micro} (nearest {_nearest(micro, ok_micro)})."
+                f"world_size={world} = {per_pass}, so it cannot be split into whole accumulation steps. {hint}"
             )
         if mini % G != 0:
             step = math.lcm(G, per_pass)

@@ -204,5 +204,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
         if self.batch_plan is not None and self.world_size != self.batch_plan.world_size:
             raise ValueError(
                 f"The batch plan was computed for WORLD_SIZE={self.batch_plan.world_size} but the run has "
-                f"world_size={self.world_size}. Launch with accelerate/torchrun so WORLD_SIZE is set."
+                f"world_size={self.world_size}. Launch with accelerate/torchrun so WORLD_SIZE is set; on a machine "
+                "without GPUs also pass --use_cpu true (or set ACCELERATE_USE_CPU=true), without which accelerate "
+                "leaves every process on its own."
             )

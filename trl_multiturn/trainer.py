@@ -36,7 +36,7 @@ from .advantages import group_advantages, turn_advantages
 from .batching import balanced_partition
 from .checkpointing import AtomicCheckpointMixin
 from .config import MultiTurnGRPOConfig
-from .generation import SamplingParams, TransformersGenerator
+from .generation import SamplingParams, TransformersGenerator, VLLMGenerator
 from .loss import aggregate_loss, kl_penalty, loss_normalizers, policy_loss
 from .protocols import ChatToolProtocol, Protocol, TagProtocol
 from .rollout import MultiTurnRollout, RolloutConfig
@@ -109,6 +109,11 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             raise TypeError(
                 f"args must be a MultiTurnGRPOConfig, got {type(args).__name__}. Build it with "
                 "MultiTurnGRPOConfig(**your_grpo_config.to_dict())."
+            )
+        if args.use_vllm and args.vllm_enable_sleep_mode:
+            raise ValueError(
+                "vllm_enable_sleep_mode=True is not supported by multi-turn rollouts: vLLM's KV cache would be asleep "
+                "between the turns of a rollout. Set vllm_enable_sleep_mode=False."
             )
         if environment_factory is None:
             raise ValueError(
@@ -205,7 +210,10 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             ),
         )
         self.add_callback(_SkipEmptyUpdate(self))
-        self._sampling_generator = torch.Generator().manual_seed(args.seed)
+        # One sampling stream per rank: ranks that hold members of the same group (prompts_per_rollout not a multiple
+        # of the number of processes) would otherwise sample them identically.
+        self._sampling_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
+        self._vllm_generator: VLLMGenerator | None = None
 
     # ------------------------------------------------------------------ rollout
     def _sampling_params(self) -> SamplingParams:
@@ -213,7 +221,19 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0)
 
     def _run_rollout(self, inputs: list[dict]) -> list[Trajectory]:
-        """Roll out one trajectory per input row with the current policy (eval mode, no gradients)."""
+        """Roll out one trajectory per input row with the current policy (eval mode, no gradients).
+
+        With ``use_vllm`` the turns are sampled by TRL's vLLM engine through :class:`VLLMGenerator`, which makes
+        ``max_turns`` calls on every rank (the collective-call rule). The engine gets the current weights first:
+        TRL syncs them inside ``rollout_func``, which this trainer calls after the rollout.
+        """
+        if self.use_vllm:
+            if self.state.global_step != self._last_loaded_step:
+                self.vllm_generation.sync_weights()
+                self._last_loaded_step = self.state.global_step
+            if self._vllm_generator is None:
+                self._vllm_generator = VLLMGenerator.from_trl(self.vllm_generation, self._tokenizer)
+            return self.rollout.run(inputs, self._vllm_generator, self._sampling_params())
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
         ) as unwrapped:
@@ -471,12 +491,19 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             n_seq, n_tok = inputs["mb_num_sequences"], inputs["mb_num_tokens"]
         else:
             n_seq, n_tok = loss_normalizers(mask)
+        advantages = inputs["advantages"]  # (B,) or (B, C)
+        is_ratio = inputs.get("importance_sampling_ratio")  # (B, C) or (B, 1): TRL's vLLM correction, when on
+        if is_ratio is not None:
+            # max(-w A rho, -w A clip(rho)) = w max(-A rho, -A clip(rho)) for w >= 0: weighting a token's loss by the
+            # truncated (or masked) importance ratio w is scaling its advantage by w.
+            adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, C)
+            advantages = (adv * is_ratio).expand_as(logps)  # (B, C)
         agg = self.args.loss_aggregation
         norm_constant = float(self.args.max_completion_length)
         loss, stats = policy_loss(
             logps,
             old,
-            inputs["advantages"],
+            advantages,
             mask,
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
