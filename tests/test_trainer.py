@@ -366,3 +366,34 @@ def test_balanced_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_token
     plain, balanced = logged(runs[False], "perf/useful_token_frac"), logged(runs[True], "perf/useful_token_frac")
     assert all(b >= p for b, p in zip(balanced, plain)) and any(b > p for b, p in zip(balanced, plain)), (
         balanced, plain)
+
+
+def test_qlora_step_with_kl_to_the_adapter_free_base(tmp_path, smollm2_tokenizer):
+    """QLoRA through the trainer: a 4-bit base (bitsandbytes' CPU path, with the CPU workaround), a LoRA adapter,
+    and beta > 0, whose reference policy is the base with the adapter disabled (no second copy of the weights)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from trl_multiturn.models import prepare_qlora_for_cpu, tiny_random_model
+
+    path = tmp_path / "base"
+    tiny_random_model(smollm2_tokenizer, hidden_size=64, num_layers=2, seed=0).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                     bnb_4bit_compute_dtype=torch.float32),
+    )
+    prepare_qlora_for_cpu(model)
+    trainer = MultiTurnGRPOTrainer(
+        model=model, args=make_args(tmp_path, max_steps=1, beta=0.05), train_dataset=dataset(),
+        environment_factory=FeedbackEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    assert trainer.ref_model is None  # the reference is the base model with the adapter disabled
+    lora_before = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if "lora_B" in k}
+    rec = Recorder(trainer)
+    trainer.train()
+    assert "ref_per_token_logps" in rec.batches[0]
+    kl = logged(trainer, "loss/kl")
+    assert len(kl) == 1 and math.isfinite(kl[0]) and abs(kl[0]) < 1e-5  # adapter starts at zero: policy == reference
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(v, after[k]) for k, v in lora_before.items())
