@@ -141,19 +141,27 @@ def main(argv=None) -> dict:
     generated = sum(n for per in turns for _, n in per)
     print(f"replaying {len(turns)} trajectories, {sum(len(p) for p in turns)} turns, {generated} generated tokens")
     times = {"ours": [], "transformers_cb": []}
+    computed = {}
     replay_ours(model, tok, turns[:2])  # warm-up
     replay_cb(model, tok, turns[:2], args.page_size)
+    counter = W.ForwardCounter(model)
     for r in range(args.repeats):
         for name in (["ours", "transformers_cb"] if r % 2 == 0 else ["transformers_cb", "ours"]):
+            counter.reset()
             seconds = replay_ours(model, tok, turns) if name == "ours" else replay_cb(model, tok, turns, args.page_size)
             times[name].append(seconds)
+            # every query position a forward computed (continuous batching packs prefill and decode in one row)
+            computed[name] = counter.counts["prefill_positions"] + counter.counts["decode_positions"]
             print(f"  round {r}: {name:16s} {seconds:.2f} s", flush=True)
+    counter.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\n{'':20s}{'ours':>12s}{'transformers CB':>18s}")
-    print(f"{'wall time (s)':20s}{med['ours']:>12.2f}{med['transformers_cb']:>18.2f}")
-    print(f"{'generated tokens/s':20s}{generated / med['ours']:>12.1f}{generated / med['transformers_cb']:>18.1f}")
+    print(f"\n{'':24s}{'ours':>12s}{'transformers CB':>18s}")
+    print(f"{'wall time (s)':24s}{med['ours']:>12.2f}{med['transformers_cb']:>18.2f}")
+    print(f"{'generated tokens/s':24s}{generated / med['ours']:>12.1f}{generated / med['transformers_cb']:>18.1f}")
+    print(f"{'positions computed':24s}{computed['ours']:>12d}{computed['transformers_cb']:>18d}")
     result = {"benchmark": "continuous_batching", "settings": vars(args), "generated_tokens": generated,
-              "seconds": times, "median_s": med, "ours_over_cb_speed": med["transformers_cb"] / med["ours"]}
+              "seconds": times, "median_s": med, "positions_computed": computed,
+              "ours_over_cb_speed": med["transformers_cb"] / med["ours"]}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

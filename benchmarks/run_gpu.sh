@@ -18,9 +18,13 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
 if [ "$SMOKE" = "1" ]; then
-  SMALL="--model random-tiny --dtype fp32"; BIG="--model random-tiny --dtype fp32"; N=4; G=2; NBIG=4; GBIG=2
+  SMALL="--model random-tiny --dtype fp32"; BIG="--model random-tiny --dtype fp32"
+  ROLL="--trajectories 4 --group-size 2"; ROLL_BIG="--trajectories 4 --group-size 2"
+  CB="--trajectories 4 --group-size 2"; TRAIN="--trajectories 8 --group-size 2 --micro-batch 4 --steps 1"
 else
-  SMALL="--model smollm2 --dtype bf16"; BIG="--model random-1.7b --dtype bf16"; N=64; G=8; NBIG=32; GBIG=4
+  SMALL="--model smollm2 --dtype bf16"; BIG="--model random-1.7b --dtype bf16"
+  ROLL="--trajectories 64 --group-size 8"; ROLL_BIG="--trajectories 32 --group-size 4"
+  CB="--trajectories 32 --group-size 4"; TRAIN="--trajectories 32 --group-size 8 --micro-batch 8 --steps 2"
 fi
 
 {
@@ -39,12 +43,12 @@ step() {  # step NAME SECONDS SCRIPT ARGS...
 }
 
 # 1. rollout, SmolLM2-135M, 64 trajectories (8 prompts x G=8), 4 turns: TRL's multi-turn path vs ours
-step rollout_smollm2 150 benchmarks/rollout.py $SMALL --trajectories $N --group-size $G --turns 4 --repeats 2
+step rollout_smollm2 150 benchmarks/rollout.py $SMALL $ROLL --turns 4 --repeats 2
 # 2. rollout, a random-weights 1.7B model (Llama shape), 32 trajectories, 4 turns
-step rollout_1.7b 120 benchmarks/rollout.py $BIG --trajectories $NBIG --group-size $GBIG --turns 4 --repeats 1
+step rollout_1.7b 120 benchmarks/rollout.py $BIG $ROLL_BIG --turns 4 --repeats 1
 # 3. our turn engine vs transformers' continuous batching on the same turns
-step continuous_batching 90 benchmarks/continuous_batching.py $SMALL --trajectories 32 --group-size 4 --repeats 1
+step continuous_batching 90 benchmarks/continuous_batching.py $SMALL $CB --repeats 1
 # 4. training step on one rollout batch: TRL's GRPOTrainer vs MultiTurnGRPOTrainer
-step train_step 90 benchmarks/train_step.py $SMALL --trajectories 32 --group-size 8 --micro-batch 8 --steps 2 --repeats 1
+step train_step 90 benchmarks/train_step.py $SMALL $TRAIN --repeats 1
 
 echo "finished $(date -Is); results in $OUT" | tee -a "$OUT/summary.txt"

@@ -3,8 +3,9 @@
     python benchmarks/train_step.py                               # CPU: a tiny random model (see below)
     python benchmarks/train_step.py --device cuda --dtype bf16 --model smollm2 --trajectories 32
 
-The rollout batch is made once: the multi-turn search workload of ``benchmarks/workload.py`` (forced tool calls,
-so trajectories have uneven lengths as real ones do) rolled out by our ``MultiTurnRollout``. Then each trainer
+The rollout batch is made once: the multi-turn search workload of ``benchmarks/workload.py`` (forced tool calls;
+each question gets 1 to 4 turns, so trajectories have uneven lengths as real ones do) rolled out by our
+``MultiTurnRollout``. Then each trainer
 trains ``--steps`` optimizer steps on exactly that batch, from the same initial weights and with the same batch
 knobs (micro-batch size, gradient accumulation, one GRPO iteration, no KL term):
 
@@ -41,9 +42,9 @@ W.offline_env()
 import torch  # noqa: E402
 
 
-def length_reward(completions, completion_ids, **kwargs) -> list[float]:
-    """A reward that varies inside each group (tokens of the completion / 100)."""
-    return [len(c) / 100.0 for c in completion_ids]
+def position_reward(completions, **kwargs) -> list[float]:
+    """A reward that varies inside each group (the members of a group wrote the same forced text): 0, 1, 2, 0, ..."""
+    return [float(i % 3) for i in range(len(completions))]
 
 
 def make_batch(model, tok, args):
@@ -53,8 +54,11 @@ def make_batch(model, tok, args):
     from trl_multiturn.rollout import MultiTurnRollout, RolloutConfig
     from trl_multiturn.trl_compat import TRLEnvironmentAdapter
 
+    # One question per trajectory: the forced scripts are a function of the prompt, so copies of a prompt would be
+    # identical trajectories, which real GRPO groups are not. The trainers group rows by position
+    # (num_generations consecutive rows), which is all the step's compute depends on.
     wl, retriever = W.build_workload(
-        tok, args.trajectories, args.turns, args.seed, args.min_think, args.max_think, args.group_size
+        tok, args.trajectories, args.turns, args.seed, args.min_think, args.max_think, 1, args.min_turns
     )
     env_class = W.make_search_env_class(retriever, 3, 0.0, W.EnvClock())
     rollout = MultiTurnRollout(
@@ -140,7 +144,7 @@ def train_trl(base_model, tok, rows, trajs, args) -> dict:
 
     model = copy.deepcopy(base_model).train()
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[length_reward], args=GRPOConfig(**common_args(args, tempfile.mkdtemp())),
+        model=model, reward_funcs=[position_reward], args=GRPOConfig(**common_args(args, tempfile.mkdtemp())),
         processing_class=tok, train_dataset=Dataset.from_list(rows), rollout_func=rollout_func,
     )
     return _train(trainer, model, trajs, args)
@@ -155,7 +159,7 @@ def train_ours(base_model, tok, rows, trajs, env_class, args) -> dict:
     kw = common_args(args, tempfile.mkdtemp())
     kw.update(max_turns=args.turns, max_observation_tokens=None)
     trainer = MultiTurnGRPOTrainer(
-        model=model, reward_funcs=[length_reward], args=MultiTurnGRPOConfig(**kw), processing_class=tok,
+        model=model, reward_funcs=[position_reward], args=MultiTurnGRPOConfig(**kw), processing_class=tok,
         train_dataset=Dataset.from_list(rows), environment_factory=env_class,
     )
     trainer._run_rollout = lambda inputs: copy.deepcopy(trajs)  # the fixed batch instead of a fresh rollout
@@ -192,7 +196,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--trajectories", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4, help="most turns of a trajectory")
+    parser.add_argument("--min-turns", type=int, default=1, help="fewest turns (each question draws its own)")
     parser.add_argument("--min-think", type=int, default=2)
     parser.add_argument("--max-think", type=int, default=40)
     parser.add_argument("--max-completion-length", type=int, default=2048)

@@ -145,7 +145,8 @@ def make_search_env_class(retriever, topk: int, latency: float, clock: EnvClock)
 
 
 def turn_texts(example: dict, turns: int, rng: random.Random, min_think: int, max_think: int) -> list[str]:
-    """The texts of one trajectory: ``turns - 1`` searches, then the answer (each preceded by a thought)."""
+    """The texts of one trajectory: ``turns - 1`` searches, then the answer (each preceded by a thought of
+    ``min_think`` to ``max_think`` filler words)."""
     texts = []
     queries = [example["question"], example.get("subject") or example["question"], example["golden_answers"][0]]
     for k in range(turns):
@@ -230,11 +231,13 @@ def build_workload(
     min_think: int = 4,
     max_think: int = 40,
     group_size: int = 1,
+    min_turns: int | None = None,
 ) -> tuple[Workload, object]:
     """Questions from the offline search dataset, their prompts and scripts; returns ``(workload, retriever)``.
 
     ``num_trajectories / group_size`` questions, each repeated ``group_size`` times in a row (a GRPO group, as
-    TRL's sampler orders them); the members of a group share their prompt, hence their script."""
+    TRL's sampler orders them); the members of a group share their prompt, hence their script. Each question gets
+    ``turns`` turns, or a number drawn in ``[min_turns, turns]`` when ``min_turns`` is given."""
     if num_trajectories % group_size:
         raise ValueError(f"--trajectories {num_trajectories} must be a multiple of --group-size {group_size}.")
     from trl_multiturn.protocols import ChatToolProtocol
@@ -254,7 +257,9 @@ def build_workload(
         if tuple(ids) not in scripts:
             scripts[tuple(ids)] = [
                 list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-                for text in turn_texts(row, turns, rng, min_think, max_think)
+                for text in turn_texts(
+                    row, turns if min_turns is None else rng.randint(min_turns, turns), rng, min_think, max_think
+                )
             ]
         examples.append(row)
         prompt_ids.append(ids)
