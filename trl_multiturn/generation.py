@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 # ---------------------------------------------------------------------------------------------------------------
 # Shared types
@@ -217,13 +218,7 @@ def _supports_kv_reuse(model) -> bool:
     return True
 
 
-def _layer_base():
-    from transformers.cache_utils import DynamicLayer
-
-    return DynamicLayer
-
-
-class _BufferLayer(_layer_base()):
+class _BufferLayer(DynamicLayer):
     """One layer's K/V for a left-padded batch: ``kbuf``/``vbuf`` (A, H_kv, capacity, D), all rows end at ``width``.
 
     ``update`` writes the new columns in place (doubling the capacity when full) and returns views of the first
@@ -274,9 +269,7 @@ def _grow(buf: torch.Tensor, width: int, cap: int) -> torch.Tensor:
     return out
 
 
-def _make_cache(layers: list[_BufferLayer]):
-    from transformers.cache_utils import Cache
-
+def _make_cache(layers: list[_BufferLayer]) -> Cache:
     return Cache(layers=layers)
 
 
