@@ -123,3 +123,36 @@ def test_split_groups_warn_with_whole_group_alternatives():
         BatchPlan(64, 5, 32, 8)  # 320 trajectories; lcm(5, 8) = 40
     plan = no_warning(64, 5, 40, 8)
     assert plan.whole_groups_per_mini_batch and plan.gradient_accumulation_steps == 5
+
+
+# ---------------------------------------------------------------------------------------------------- micro-batch packing
+def test_balanced_partition_groups_similar_lengths():
+    from trl_multiturn.batching import balanced_partition
+
+    # sorted longest first: 10, 9 | 2, 1 -> padded sizes 2*10 = 20 and 2*2 = 4 (vs 2*10 + 2*9 mixing long and short)
+    assert balanced_partition([10, 9, 2, 1], 2) == [[0, 1], [2, 3]]
+    # one very long row gets a part of its own; the seven short rows share the other (padded 1*100 and 7*1)
+    assert balanced_partition([100, 1, 1, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5, 6, 7]]
+    assert balanced_partition([5, 5, 5, 5], 4) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="non-empty micro-batches"):
+        balanced_partition([1, 2], 3)
+
+
+def test_balanced_partition_properties_and_padding():
+    import random
+
+    from trl_multiturn.batching import balanced_partition
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 24)
+        k = rng.randint(1, n)
+        lengths = [rng.randint(1, 64) for _ in range(n)]
+        parts = balanced_partition(lengths, k)
+        assert len(parts) == k and all(parts) and sorted(sum(parts, [])) == list(range(n))
+        padded = sum(len(p) * max(lengths[i] for i in p) for p in parts)
+        # never more padding than fixed-size consecutive chunks of the unsorted rows (the plain split) when n % k == 0
+        if n % k == 0:
+            size = n // k
+            plain = sum(size * max(lengths[j * size : (j + 1) * size]) for j in range(k))
+            assert padded <= plain

@@ -187,32 +187,59 @@ class BatchPlan:
 
 
 def balanced_partition(lengths: list[int], num_parts: int) -> list[list[int]]:
-    """Deal rows into ``num_parts`` micro-batches of balanced token counts (VeRL's dynamic batch size, fixed count).
+    """Split rows into ``num_parts`` micro-batches of similar lengths and balanced padded size (VeRL's dynamic batch
+    size with a fixed micro-batch count).
 
-    Rows are taken longest first and each goes to the part with the fewest tokens so far (ties: fewest rows), so
-    rows of similar length share a micro-batch and each part can be padded only to its own longest row. Every part
-    gets at least one row when ``len(lengths) >= num_parts``. Returns row indices per part, each sorted.
+    Rows are sorted by length (longest first) and the sorted list is cut into consecutive parts so that each part's
+    padded cost (rows x its longest row) is as even as the cut points allow. Rows of similar length share a
+    micro-batch, so each part padded only to its own longest row wastes little; the long rows get small parts and
+    the short rows large ones, which keeps the memory of a forward/backward even. Every part gets at least one row.
+    Returns row indices per part, each sorted.
 
-    Example: lengths [10, 9, 2, 1] into 2 parts -> [[0, 3], [1, 2]] (11 and 11 tokens).
+    Example: lengths [10, 9, 2, 1] into 2 parts -> [[0, 1], [2, 3]] (padded sizes 2 x 10 and 2 x 2).
     """
     if num_parts < 1:
         raise ValueError(f"balanced_partition needs num_parts >= 1; got {num_parts}.")
-    if len(lengths) < num_parts:
+    n = len(lengths)
+    if n < num_parts:
         raise ValueError(
-            f"Cannot split {len(lengths)} rows into {num_parts} non-empty micro-batches; lower "
+            f"Cannot split {n} rows into {num_parts} non-empty micro-batches; lower "
             "gradient_accumulation_steps or raise the mini-batch size."
         )
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    parts: list[list[int]] = [[] for _ in range(num_parts)]
-    loads = [0] * num_parts
-    remaining = len(order)
-    for i in order:
-        empty = [p for p in range(num_parts) if not parts[p]]
-        if empty and remaining <= len(empty):
-            target = empty[0]  # keep enough rows for the parts that are still empty
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    sorted_len = [lengths[i] for i in order]
+
+    def parts_needed(budget: int) -> int:
+        """Greedy count of consecutive parts whose padded cost stays within ``budget``."""
+        parts, rows, head = 1, 0, None
+        for length in sorted_len:
+            head = length if head is None else head
+            if (rows + 1) * head > budget and rows > 0:
+                parts, rows, head = parts + 1, 0, length
+            rows += 1
+        return parts
+
+    # The smallest budget that needs at most num_parts parts (binary search on the padded cost).
+    low, high = max(sorted_len), max(sorted_len) * n
+    while low < high:
+        mid = (low + high) // 2
+        if parts_needed(mid) <= num_parts:
+            high = mid
         else:
-            target = min(range(num_parts), key=lambda p: (loads[p], len(parts[p]), p))
-        parts[target].append(i)
-        loads[target] += lengths[i]
-        remaining -= 1
-    return [sorted(p) for p in parts]
+            low = mid + 1
+    cuts: list[list[int]] = [[]]
+    head = None
+    for position, length in enumerate(sorted_len):
+        head = length if head is None else head
+        remaining_rows = n - position
+        remaining_parts = num_parts - len(cuts)
+        if cuts[-1] and ((len(cuts[-1]) + 1) * head > low or remaining_rows <= remaining_parts):
+            cuts.append([])
+            head = length
+        cuts[-1].append(order[position])
+    while len(cuts) < num_parts:  # fewer cuts were needed: split the largest parts so every part has a row
+        largest = max(range(len(cuts)), key=lambda k: len(cuts[k]))
+        half = len(cuts[largest]) // 2
+        cuts.insert(largest + 1, cuts[largest][half:])
+        cuts[largest] = cuts[largest][:half]
+    return [sorted(p) for p in cuts]
