@@ -109,9 +109,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
     balance_micro_batches: bool = field(
         default=True,
         metadata={
-            "help": "Within each mini-batch, deal trajectories into the gradient-accumulation micro-batches by "
-            "balanced token counts (longest first) and pad each micro-batch only to its own longest row, like "
-            "VeRL's use_dynamic_bsz with a fixed micro-batch count. The loss is unchanged (mini-batch-global "
+            "help": "Within each mini-batch, sort trajectories by length and cut them into the gradient-accumulation "
+            "micro-batches with balanced padded sizes, each padded only to its own longest row (like VeRL's "
+            "use_dynamic_bsz with a fixed micro-batch count). The loss is unchanged (mini-batch-global "
             "normalizers); less padding is computed."
         },
     )

@@ -284,7 +284,18 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             self._pending_trajectories = None
         self._replace_advantages(output, trajs, mode)
         self._log_rollout_metrics(trajs, mode)
+        self._log_rollout_speed(mode)
         return output
+
+    def _log_rollout_speed(self, mode: str) -> None:
+        """perf/ metrics of this process's last rollout (``MultiTurnRollout.last_stats``)."""
+        s, m = self.rollout.last_stats, self._metrics[mode]
+        if not s:
+            return
+        m["perf/rollout_s"].append(s["wall_s"])
+        m["perf/rollout_env_wait_s"].append(s["env_time_s"])
+        m["perf/prefill_tokens_per_generated_token"].append(s["prefill_tokens"] / max(s["generated_tokens"], 1))
+        m["perf/cached_token_frac"].append(s["cached_tokens"] / max(s["cached_tokens"] + s["prefill_tokens"], 1))
 
     # ------------------------------------------------------------------ advantages
     def _replace_advantages(self, output: dict, trajs: list[Trajectory], mode: str) -> None:
