@@ -79,3 +79,29 @@ class ReplayGenerator:
             reason = self.finish_reason if len(cut) == len(ids) else "length"
             outs.append(GenerationOutput(ids=list(cut), logprobs=[-0.5] * len(cut), finish_reason=reason))
         return outs
+
+
+def logged(trainer, key):
+    """Every value the trainer logged under ``key``, in order."""
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+class Recorder:
+    """Keeps every rollout (list of trajectories) and every scored batch the trainer produced."""
+
+    def __init__(self, trainer):
+        self.rollouts, self.batches = [], []
+        run, score = trainer.rollout.run, trainer._generate_and_score_completions
+
+        def run_and_keep(*a, **k):
+            out = run(*a, **k)
+            self.rollouts.append(out)
+            return out
+
+        def score_and_keep(*a, **k):
+            out = score(*a, **k)
+            self.batches.append(out)
+            return out
+
+        trainer.rollout.run = run_and_keep
+        trainer._generate_and_score_completions = score_and_keep

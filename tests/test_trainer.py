@@ -13,6 +13,8 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from scripted import Recorder, logged
+
 from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 from trl_multiturn.environment import Step
 from trl_multiturn.loss import policy_loss
@@ -61,31 +63,6 @@ def dataset(n=8):
     return Dataset.from_dict({"q": [f"question {i}" for i in range(n)]})
 
 
-class Recorder:
-    """Keeps every trajectory and every scored batch the trainer produced."""
-
-    def __init__(self, trainer):
-        self.trajectories, self.batches = [], []
-        run, score = trainer.rollout.run, trainer._generate_and_score_completions
-
-        def run_and_keep(*a, **k):
-            out = run(*a, **k)
-            self.trajectories.append(out)
-            return out
-
-        def score_and_keep(*a, **k):
-            out = score(*a, **k)
-            self.batches.append(out)
-            return out
-
-        trainer.rollout.run = run_and_keep
-        trainer._generate_and_score_completions = score_and_keep
-
-
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
-
-
 def test_one_minibatch_per_rollout_pg_loss_zero_and_model_learns(tmp_path, smollm2_tokenizer, tiny_model_factory):
     model = tiny_model_factory()
     before = copy.deepcopy(model.state_dict())
@@ -104,7 +81,7 @@ def test_one_minibatch_per_rollout_pg_loss_zero_and_model_learns(tmp_path, smoll
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed
     # masks: every sampled token has mask 1, every inserted token mask 0, turns > 1
-    for trajs, batch in zip(rec.trajectories, rec.batches):
+    for trajs, batch in zip(rec.rollouts, rec.batches):
         mask = batch["tool_mask"] * batch["completion_mask"]
         for row, t in enumerate(trajs):
             n = len(t.completion_ids)
@@ -241,7 +218,7 @@ def test_environment_failures_are_recorded_and_training_continues(tmp_path, smol
     assert trainer.state.global_step == 2
     failed = logged(trainer, "env/failed_frac")
     assert any(f > 0 for f in failed)
-    for trajs, batch in zip(rec.trajectories, rec.batches):
+    for trajs, batch in zip(rec.rollouts, rec.batches):
         for row, t in enumerate(trajs):
             if t.info.get("failed"):
                 assert math.isnan(t.reward)

@@ -7,8 +7,14 @@ threads than with one under load), so every test here runs with one thread and t
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+# tests/scripted.py (scripted policies, the trainer Recorder) is shared with the tests one level up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @pytest.fixture(autouse=True, scope="module")

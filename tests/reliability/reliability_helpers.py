@@ -11,6 +11,8 @@ import time
 import pytest
 from datasets import Dataset
 
+from scripted import Recorder, logged  # noqa: F401  (shared with tests/test_trainer.py)
+
 from trl_multiturn import MultiTurnGRPOConfig
 from trl_multiturn.environment import Step
 
@@ -103,32 +105,6 @@ def tiny_args(tmp_path, **overrides) -> MultiTurnGRPOConfig:
     )
     kw.update(overrides)
     return MultiTurnGRPOConfig(**kw)
-
-
-def logged(trainer, key):
-    """Every value the trainer logged under ``key``, in order."""
-    return [h[key] for h in trainer.state.log_history if key in h]
-
-
-class Recorder:
-    """Keeps every rollout (list of trajectories) and every scored batch the trainer produced."""
-
-    def __init__(self, trainer):
-        self.rollouts, self.batches = [], []
-        run, score = trainer.rollout.run, trainer._generate_and_score_completions
-
-        def run_and_keep(*a, **k):
-            out = run(*a, **k)
-            self.rollouts.append(out)
-            return out
-
-        def score_and_keep(*a, **k):
-            out = score(*a, **k)
-            self.batches.append(out)
-            return out
-
-        trainer.rollout.run = run_and_keep
-        trainer._generate_and_score_completions = score_and_keep
 
 
 # ---------------------------------------------------------------------------------------------------- expected behaviours
