@@ -49,6 +49,7 @@ class SearchAgentArguments:
     retrieval_hit_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for the first search that surfaces a gold answer (0 = off)."})
     offline_entities: int = field(default=300, metadata={"help": "People in the generated knowledge base (both splits)."})
     kb_seed: int = field(default=0, metadata={"help": "Seed of the generated knowledge base."})
+    question_hops: str = field(default="all", metadata={"help": "Keep only questions with this many hops, training and held-out: '1', '2' or 'all' (questions without a 'hops' field count as 1)."})
     num_train_questions: int | None = field(default=512, metadata={"help": "Training questions used (None = all)."})
     num_eval_questions: int | None = field(default=32, metadata={"help": "Held-out questions evaluated after each stage (None = all)."})
     eval_batch_size: int = field(default=32, metadata={"help": "Trajectories generated together during evaluation."})
@@ -61,6 +62,7 @@ class SearchAgentArguments:
     sft_batch_size: int = field(default=2, metadata={"help": "Per-device batch size of the warm start."})
     sft_gradient_accumulation_steps: int = field(default=4, metadata={"help": "Gradient accumulation of the warm start."})
     sft_gradient_checkpointing: bool = field(default=False, metadata={"help": "Gradient checkpointing during the warm start (less memory, ~25% more compute)."})
+    init_adapter: str | None = field(default=None, metadata={"help": "Start from this PEFT adapter (local path or Hub id), trained further by GRPO; replaces the warm start (e.g. a previous run's output_dir/sft_adapter)."})
     grpo: bool = field(default=True, metadata={"help": "Run the GRPO stage."})
     merge_adapter: bool = field(default=False, metadata={"help": "Also save the adapter merged into the base weights (output_dir/merged)."})
 
@@ -105,6 +107,12 @@ def load_data(args: SearchAgentArguments):
         corpus = load_corpus(args.corpus) if args.retriever != "http" else []
         train = _load_qa_sources(args.dataset, "train", args.kb_seed)
         test = _load_qa_sources(args.eval_dataset or args.dataset, args.eval_split, args.kb_seed)
+    if args.question_hops != "all":
+        if args.question_hops not in ("1", "2"):
+            raise ValueError(f"--question_hops {args.question_hops!r} must be '1', '2' or 'all'.")
+        keep = int(args.question_hops)
+        train = [r for r in train if int(r.get("hops", 1)) == keep]
+        test = [r for r in test if int(r.get("hops", 1)) == keep]
     train = train[: args.num_train_questions] if args.num_train_questions else train
     test = test[: args.num_eval_questions] if args.num_eval_questions else test
     return corpus, train, test
@@ -162,7 +170,11 @@ def evaluate(stage, model, tokenizer, rows, env_factory, args, training_args, re
         max_completion_length=training_args.max_completion_length, max_tokens_per_turn=args.eval_max_tokens_per_turn,
         batch_size=args.eval_batch_size, accelerator=PartialState(),
     )
-    results[stage] = {"summary": out["summary"], "seconds": out["seconds"]}
+    results.setdefault(stage, {}).update(summary=out["summary"], seconds=out["seconds"])
+    if PartialState().is_main_process:  # every question's trajectory and score, for error analysis
+        path = Path(training_args.output_dir) / f"eval_{stage}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, default=str))
     return out
 
 
@@ -197,7 +209,7 @@ def plot_curves(log_history: list[dict], results: dict, path: Path) -> Path | No
     em = [h.get("rewards/exact_match_reward/mean") for h in log_history if "reward" in h]
     if all(v is not None for v in em):
         ax.plot(steps, em, label="exact match (train rollouts)")
-    for stage, style in (("base", ":"), ("sft", "--"), ("grpo", "-.")):
+    for stage, style in (("base", ":"), ("sft", "--"), ("init", "--"), ("grpo", "-.")):
         if stage in results and "summary" in results[stage]:
             ax.axhline(results[stage]["summary"]["all"]["exact_match"], linestyle=style, color="gray",
                        label=f"held-out EM after {stage}")
@@ -240,12 +252,20 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
     peft_config = get_peft_config(model_args)
     protocol = TagProtocol(max_observation_tokens=training_args.max_observation_tokens)
 
-    if script_args.eval_before:
+    if script_args.eval_before and not script_args.init_adapter:
         start = time.perf_counter()
         evaluate("base", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
         results["base"]["stage_seconds"] = time.perf_counter() - start
 
-    if warm_start_enabled(script_args, model):
+    if script_args.init_adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, script_args.init_adapter, is_trainable=True)
+        peft_config = None  # GRPO continues training the given adapter
+        print(f"[init] adapter {script_args.init_adapter} loaded (trainable); no warm start", flush=True)
+        if script_args.eval_before:
+            evaluate("init", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
+    elif warm_start_enabled(script_args, model):
         from trl_multiturn.search import build_expert_trajectories
 
         start = time.perf_counter()
@@ -267,8 +287,12 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
         peft_config = None  # GRPO continues training the warm-start adapter
         results["sft_train"] = {"kept_fraction": stats["kept_fraction"], "examples": len(trajectories),
                                 "final_loss": next((h["loss"] for h in reversed(sft_trainer.state.log_history) if "loss" in h), None)}
+        results["sft"] = {"stage_seconds": time.perf_counter() - start}
+        if state.is_main_process:  # keep the warm start: GRPO runs and ablations can start from it (--init_adapter)
+            model.save_pretrained(out_dir / "sft_adapter")
+            tokenizer.save_pretrained(out_dir / "sft_adapter")
         evaluate("sft", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
-        results["sft"]["stage_seconds"] = time.perf_counter() - start
+        results["sft"]["stage_seconds"] += results["sft"].get("seconds", 0.0)
 
     trainer = None
     if script_args.grpo:

@@ -101,6 +101,10 @@ def test_recipe_end_to_end_tiny_model(tmp_path, tiny_model_dir, capsys):
     assert "trl-multiturn" in card and "sft" in card and "grpo" in card
     history = json.loads((out / "log_history.json").read_text())
     assert any("loss/pg_loss" in h for h in history)
+    assert (out / "sft_adapter" / "adapter_config.json").exists()  # the warm start is kept
+    for stage in ("base", "sft", "grpo"):
+        records = json.loads((out / f"eval_{stage}.json").read_text())["records"]
+        assert len(records) == results[stage]["summary"]["all"]["n"]
 
 
 def test_recipe_rejects_bad_arguments(tmp_path, tiny_model_dir):
@@ -153,3 +157,41 @@ def test_recipe_publishes_and_the_adapter_reloads(tmp_path, tiny_model_dir, hub,
     ])
     reloaded = evaluate.main(*eval_args)
     assert reloaded["summary"] == results["grpo"]["summary"]
+
+
+def test_turn_credit_ablation_runs_every_arm_from_one_adapter(tmp_path, tiny_model_dir, capsys):
+    """The ablation driver: each arm a real recipe run from the same warm-start adapter, restricted to 2-hop
+    questions, with the per-turn retrieval reward on; the table has the start row and one row per arm."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = tmp_path / "sft_adapter"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")).save_pretrained(adapter)
+    spec = importlib.util.spec_from_file_location("ablate_turn_credit", REPO / "recipes" / "ablate_turn_credit.py")
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    out = tmp_path / "ablation"
+    arms = ablation.main([
+        "--init_adapter", str(adapter), "--modes", "trajectory", "mt-grpo", "--max_steps", "1", "--output_dir", str(out),
+        "--model_name_or_path", str(tiny_model_dir), *[a for a in SMALL if a not in ("--max_steps", "1")],
+    ])
+    assert set(arms) == {"trajectory", "mt-grpo"}
+    assert "init" in arms["trajectory"]["metrics"] and "init" not in arms["mt-grpo"]["metrics"]
+    for mode, arm in arms.items():
+        assert arm["metrics"]["grpo"]["summary"]["all"]["n"] > 0
+        assert all(r["hops"] == 2 for r in json.loads((out / mode / "eval_grpo.json").read_text())["records"])
+    md = (out / "ablation.md").read_text()
+    assert "| start (warm-start adapter) |" in md and "| trajectory |" in md and "| mt-grpo |" in md
+    summary = json.loads((out / "ablation.json").read_text())
+    assert summary["settings"]["question_hops"] == "2" and summary["settings"]["retrieval_hit_reward"] == 0.5
+
+
+def test_steps_to_reach_uses_a_moving_average():
+    spec = importlib.util.spec_from_file_location("ablate_turn_credit", REPO / "recipes" / "ablate_turn_credit.py")
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    history = [{"step": i + 1, "em": v} for i, v in enumerate([0.0, 0.5, 0.0, 0.4, 0.4, 0.4, 0.9])]
+    assert ablation.steps_to_reach(history, "em", 0.4) == 6  # 0.5 alone at step 2 is not enough
+    assert ablation.steps_to_reach(history, "em", 0.3, window=1) == 2
+    assert ablation.steps_to_reach(history, "em", 0.95) is None

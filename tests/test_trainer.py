@@ -374,3 +374,82 @@ def test_qlora_step_with_kl_to_the_adapter_free_base(tmp_path, smollm2_tokenizer
     assert len(kl) == 1 and math.isfinite(kl[0]) and abs(kl[0]) < 1e-5  # adapter starts at zero: policy == reference
     after = dict(trainer.model.named_parameters())
     assert any(not torch.equal(v, after[k]) for k, v in lora_before.items())
+
+
+def _left_right_padded_batch(lengths, pad_id, seed=0):
+    """TRL's training layout: prompts left-padded, completions right-padded. ``lengths`` = [(prompt, completion)]."""
+    g = torch.Generator().manual_seed(seed)
+    p_w, c_w = max(p for p, _ in lengths), max(c for _, c in lengths)
+    ids = torch.full((len(lengths), p_w + c_w), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(lengths):
+        ids[i, p_w - p : p_w + c] = torch.randint(10, 4000, (p + c,), generator=g)
+        mask[i, p_w - p : p_w + c] = 1
+    return ids, mask, c_w
+
+
+def test_compact_padding_gives_trl_log_probs_with_fewer_tokens(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    """The compacted forward (each row's real tokens contiguous, right-padded) returns the log-probs of TRL's
+    left/right-padded layout for every real completion token, and 0 elsewhere; a mask with a hole falls back to
+    TRL's path exactly."""
+    from trl import GRPOTrainer
+
+    from trl_multiturn.trainer import _compact_rows
+
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    model = trainer.model.eval()
+    lengths = [(7, 3), (2, 9), (5, 5), (1, 1), (6, 0)]
+    ids, mask, c_w = _left_right_padded_batch(lengths, smollm2_tokenizer.pad_token_id)
+    with torch.no_grad():
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w, batch_size=2)
+        theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, c_w)
+    real = mask[:, -c_w:].bool()
+    assert ours.shape == theirs.shape == (len(lengths), c_w)
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+    assert (ours[~real] == 0).all() and ours[real].abs().min() > 0
+    compact_ids, compact_mask, index, valid, is_completion = _compact_rows(ids, mask, c_w)
+    assert compact_ids.size(1) == max(p + c for p, c in lengths) < ids.size(1)
+    assert compact_mask.sum() == mask.sum() and (compact_ids.gather(1, index)[valid] == ids[:, -c_w:][valid]).all()
+    assert is_completion.sum(1).tolist() == [c for _, c in lengths]
+    assert all(is_completion[i, p : p + c].all() for i, (p, c) in enumerate(lengths))
+
+    holed = mask.clone()
+    holed[1, -c_w + 2] = 0  # a hole inside a completion: not compactable, TRL's path is used
+    with torch.no_grad():
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, holed, c_w)
+        theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, holed, c_w)
+    assert torch.equal(ours, theirs)
+
+
+def test_compact_padding_leaves_training_unchanged(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    """Same seed, same rollouts: the compacted training forward gives the losses and gradient norms of TRL's layout
+    (two mini-batches, so the frozen old log-probs are computed too) and computes fewer padding tokens when the
+    prompts of a micro-batch differ in length."""
+    runs = {}
+    for compact in (False, True):
+        args = make_args(tmp_path / str(compact), prompts_per_rollout=4, mini_batch_size=8, micro_batch_size=8,
+                         max_steps=2, compact_padding=compact, max_turns=3)
+        questions = Dataset.from_dict({"q": [f"question {i}" + " with more words" * (i % 4) for i in range(16)]})
+        trainer = MultiTurnGRPOTrainer(
+            model=tiny_model_factory(), args=args, train_dataset=questions, environment_factory=VariableLengthEnv,
+            reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+        )
+        trainer.train()
+        runs[compact] = trainer
+    for key in ("loss/pg_loss", "loss/ratio_max", "grad_norm", "reward"):
+        assert logged(runs[True], key) == pytest.approx(logged(runs[False], key), abs=1e-5, rel=1e-4), key
+    plain, compact = logged(runs[False], "perf/useful_token_frac"), logged(runs[True], "perf/useful_token_frac")
+    assert all(c >= p for c, p in zip(compact, plain)), (compact, plain)
+
+
+def test_tokens_processed_counts_the_compacted_width():
+    from trl_multiturn.trainer import _tokens_processed
+
+    chunk = {"prompt_ids": torch.zeros(3, 7), "completion_ids": torch.zeros(3, 5),
+             "prompt_mask": torch.tensor([[0, 0, 0, 0, 0, 1, 1], [1] * 7, [0, 0, 0, 1, 1, 1, 1]]),
+             "completion_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])}
+    assert _tokens_processed(chunk, compact=False) == 3 * 12
+    assert _tokens_processed(chunk, compact=True) == 3 * 8  # longest row: 7 + 1 real tokens

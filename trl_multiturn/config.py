@@ -116,6 +116,16 @@ class MultiTurnGRPOConfig(GRPOConfig):
         },
     )
 
+    compact_padding: bool = field(
+        default=True,
+        metadata={
+            "help": "Lay out each training forward's rows as their real tokens, contiguous and right-padded (as wide "
+            "as the longest sequence) instead of TRL's left-padded prompt + right-padded completion (as wide as the "
+            "longest prompt plus the longest completion). Same log-probs up to float error for rotary position "
+            "encodings; fewer padding tokens computed. Also used for the frozen old log-probs."
+        },
+    )
+
     # > Parameters that control the batch plan
     prompts_per_rollout: int | None = field(
         default=None,

@@ -463,7 +463,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def _log_padding(self, chunks: list[dict]) -> None:
         """perf/useful_token_frac = real tokens / tokens processed (padding included) over the rollout's micro-batches."""
         real = sum(float(c["prompt_mask"].sum() + c["completion_mask"].sum()) for c in chunks)
-        processed = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in chunks)
+        processed = sum(_tokens_processed(c, self.args.compact_padding) for c in chunks)
         totals = self.accelerator.reduce(
             torch.tensor([real, float(processed)], dtype=torch.float64, device=self.accelerator.device), reduction="sum"
         )
@@ -482,6 +482,45 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             group = totals[mb * accum : (mb + 1) * accum].sum(dim=0)
             chunk["mb_num_sequences"] = group[0].float()
             chunk["mb_num_tokens"] = group[1].float()
+
+    # ------------------------------------------------------------------ forward
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, **multimodal,
+    ):
+        """Per-token log-probs of the completion columns, (B, C), from a compacted batch when ``compact_padding``.
+
+        TRL lays a row out as ``[left-padded prompt | right-padded completion]``, so every row is as wide as the
+        longest prompt plus the longest completion. Compacted, each row is its real tokens, contiguous and
+        right-padded: as wide as the longest sequence. Logits of real tokens are unchanged up to float error (the
+        causal mask hides padding either way and rotary position encodings see only relative positions). Rows whose
+        mask is not ``[0* 1* | 1* 0*]`` (holes), multimodal inputs and MoE aux losses go through TRL's path.
+        """
+        fallback = (
+            not self.args.compact_padding or compute_aux_loss or any(v is not None for v in multimodal.values())
+            or not _prompt_completion_contiguous(attention_mask, logits_to_keep)
+        )
+        if fallback:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
+            )
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask, index, valid, is_completion = _compact_rows(
+                input_ids[start : start + batch_size], attention_mask[start : start + batch_size], logits_to_keep
+            )  # (b, W) x2, (b, C) compact column of each completion column, (b, C) real-token flag, (b, W)
+            labels = ids.masked_fill(~is_completion, -100)  # only real completion tokens are scored
+            with self.accelerator.autocast():
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            # the fused head scores token t+1 from position t: column t-1 of its (b, W-1) output is token t
+            shift = (index - 1).clamp(min=0)  # (b, C)
+            logps.append(out.log_probs.gather(1, shift).masked_fill(~valid, 0.0))
+            if compute_entropy:
+                entropies.append(out.entropy.gather(1, shift).masked_fill(~valid, 0.0))
+        entropy = torch.cat(entropies, dim=0) if compute_entropy else None
+        return torch.cat(logps, dim=0), entropy, None
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -611,6 +650,42 @@ def _nan_aware_group_advantages(rewards: torch.Tensor, group_size: int, scale: s
         vals = rewards[sl][keep]
         out[sl][keep] = group_advantages(vals, n, scale=scale, eps=eps)
     return out
+
+
+def _prompt_completion_contiguous(attention_mask: torch.Tensor, completion_width: int) -> bool:
+    """True when every row's mask is ``[0* 1*]`` over the prompt columns and ``[1* 0*]`` over the completion's."""
+    prompt = attention_mask[:, : attention_mask.size(1) - completion_width]  # (B, P)
+    completion = attention_mask[:, attention_mask.size(1) - completion_width :]  # (B, C)
+    return bool((prompt.diff(dim=1) >= 0).all() and (completion.diff(dim=1) <= 0).all())
+
+
+def _compact_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int):
+    """Move each row's real tokens to the front: returns ``(ids (B, W), mask (B, W), index (B, C), valid (B, C),
+    is_completion (B, W))`` where ``W`` is the longest row, ``index[i, j]`` the compact column of completion column
+    ``j`` of row ``i``, ``valid`` whether that column is a real token and ``is_completion`` which compact columns are
+    real completion tokens."""
+    mask = attention_mask.to(torch.long)
+    lengths = mask.sum(1)  # (B,)
+    width = max(int(lengths.max()), 1)
+    order = torch.argsort(1 - mask, dim=1, stable=True)  # real tokens first, in their order
+    ids = input_ids.gather(1, order)[:, :width]  # (B, W)
+    new_mask = mask.gather(1, order)[:, :width]  # (B, W)
+    ids = ids.masked_fill(new_mask == 0, 0) if ids.numel() else ids
+    position = mask.cumsum(1) - 1  # (B, L): compact column of every real token
+    index = position[:, mask.size(1) - completion_width :].clamp(min=0, max=width - 1)  # (B, C)
+    valid = mask[:, mask.size(1) - completion_width :].bool()  # (B, C)
+    completion = torch.zeros_like(mask)
+    completion[:, mask.size(1) - completion_width :] = 1
+    is_completion = (completion.gather(1, order)[:, :width] * new_mask).bool()  # (B, W)
+    return ids, new_mask, index, valid, is_completion
+
+
+def _tokens_processed(chunk: dict, compact: bool) -> int:
+    """Tokens one training forward of ``chunk`` computes, padding included."""
+    if not compact:
+        return chunk["prompt_ids"].numel() + chunk["completion_ids"].numel()
+    lengths = chunk["prompt_mask"].sum(1) + chunk["completion_mask"].sum(1)  # (B,)
+    return int(lengths.max()) * lengths.numel() if lengths.numel() else 0
 
 
 def _rows(value, index: list[int]):
