@@ -453,3 +453,56 @@ def test_tokens_processed_counts_the_compacted_width():
              "completion_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])}
     assert _tokens_processed(chunk, compact=False) == 3 * 12
     assert _tokens_processed(chunk, compact=True) == 3 * 8  # longest row: 7 + 1 real tokens
+
+
+def test_packed_sequences_give_the_unpacked_log_probs(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    """Several sequences packed into one row (position ids restarting at 0, no attention mask) score every real
+    completion token as the row-per-sequence forward does, in fewer rows; the first-micro-batch check accepts it."""
+    from trl import GRPOTrainer
+
+    from trl_multiturn.trainer import _first_fit_decreasing, _tokens_processed
+
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    model = trainer.model.train()  # dropout-free tiny model: train mode is deterministic
+    lengths = [(7, 9), (2, 3), (5, 5), (1, 1), (6, 0), (3, 4)]
+    ids, mask, c_w = _left_right_padded_batch(lengths, smollm2_tokenizer.pad_token_id, seed=1)
+    with torch.no_grad():
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
+        theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, c_w)
+    assert trainer._packing_checked is True
+    real = mask[:, -c_w:].bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+    assert _first_fit_decreasing([16, 5, 10, 2, 6, 7], 16) == [[0], [2, 4], [5, 1, 3]]
+    chunk = {"prompt_mask": mask[:, :-c_w], "completion_mask": mask[:, -c_w:], "prompt_ids": ids[:, :-c_w],
+             "completion_ids": ids[:, -c_w:]}
+    assert _tokens_processed(chunk, compact=True, pack=True) == 16 * 3 < _tokens_processed(chunk, compact=True) == 16 * 6
+
+
+def test_packing_is_turned_off_when_the_model_ignores_position_ids(tmp_path, smollm2_tokenizer, tiny_model_factory,
+                                                                   caplog):
+    """A model whose attention does not isolate packed sequences fails the first-micro-batch check: packing is off
+    (with a warning) and the log-probs are still right."""
+    from trl import GRPOTrainer
+
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    model = trainer.model.train()
+    inner = model.forward
+
+    def ignore_positions(*args, position_ids=None, **kwargs):  # attention then spans the whole packed row
+        return inner(*args, **kwargs)
+
+    model.forward = ignore_positions
+    lengths = [(4, 6), (3, 2), (2, 2)]
+    ids, mask, c_w = _left_right_padded_batch(lengths, smollm2_tokenizer.pad_token_id, seed=2)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
+        theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, c_w)
+    assert trainer._packing_checked is False and "training without packing" in caplog.text
+    real = mask[:, -c_w:].bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)

@@ -126,6 +126,16 @@ class MultiTurnGRPOConfig(GRPOConfig):
         },
     )
 
+    pack_sequences: bool = field(
+        default=True,
+        metadata={
+            "help": "With compact_padding: pack several short sequences into one row of the training forward "
+            "(first-fit decreasing into rows as wide as the micro-batch's longest sequence), each with its own "
+            "position ids, so attention stays within a sequence. Checked once per run on the first micro-batch "
+            "against the unpacked forward; turned off with a warning on models whose attention ignores it."
+        },
+    )
+
     # > Parameters that control the batch plan
     prompts_per_rollout: int | None = field(
         default=None,

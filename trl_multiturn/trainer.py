@@ -186,6 +186,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         # TRL decides truncation by "last token is not EOS", which is wrong for tag protocols (a turn ends at
         # </answer>); the rollout knows which trajectories hit a limit, so this trainer applies the mask itself.
         self._mask_truncated = bool(args.mask_truncated_completions)
+        self._packing_checked: bool | None = None  # pack_sequences: None until checked on the first micro-batch
         self.mask_truncated_completions = False
         tokenizer = self._tokenizer
         if tokenizer.pad_token is None:
@@ -463,7 +464,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def _log_padding(self, chunks: list[dict]) -> None:
         """perf/useful_token_frac = real tokens / tokens processed (padding included) over the rollout's micro-batches."""
         real = sum(float(c["prompt_mask"].sum() + c["completion_mask"].sum()) for c in chunks)
-        processed = sum(_tokens_processed(c, self.args.compact_padding) for c in chunks)
+        pack = self.args.compact_padding and self.args.pack_sequences and self._packing_checked is not False
+        processed = sum(_tokens_processed(c, self.args.compact_padding, pack) for c in chunks)
         totals = self.accelerator.reduce(
             torch.tensor([real, float(processed)], dtype=torch.float64, device=self.accelerator.device), reduction="sum"
         )
@@ -512,15 +514,72 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 input_ids[start : start + batch_size], attention_mask[start : start + batch_size], logits_to_keep
             )  # (b, W) x2, (b, C) compact column of each completion column, (b, C) real-token flag, (b, W)
             labels = ids.masked_fill(~is_completion, -100)  # only real completion tokens are scored
-            with self.accelerator.autocast():
-                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            if self.args.pack_sequences and self._packing_ok(model, ids, mask, labels):
+                lp, ent = self._packed_forward(model, ids, mask, labels, compute_entropy)  # (b, W-1)
+            else:
+                with self.accelerator.autocast():
+                    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+                lp, ent = out.log_probs, (out.entropy if compute_entropy else None)  # (b, W-1)
             # the fused head scores token t+1 from position t: column t-1 of its (b, W-1) output is token t
             shift = (index - 1).clamp(min=0)  # (b, C)
-            logps.append(out.log_probs.gather(1, shift).masked_fill(~valid, 0.0))
+            logps.append(lp.gather(1, shift).masked_fill(~valid, 0.0))
             if compute_entropy:
-                entropies.append(out.entropy.gather(1, shift).masked_fill(~valid, 0.0))
+                entropies.append(ent.gather(1, shift).masked_fill(~valid, 0.0))
         entropy = torch.cat(entropies, dim=0) if compute_entropy else None
         return torch.cat(logps, dim=0), entropy, None
+
+    def _packed_forward(self, model, ids, mask, labels, compute_entropy):
+        """Forward compacted rows packed several to a row (first-fit decreasing into rows as wide as the longest),
+        each sequence with its own position ids from 0, so the model's attention is block-diagonal (transformers
+        derives packed-sequence masks from position ids when no attention mask is given). Returns per-row outputs
+        laid out as the compacted rows': ``(log_probs (b, W-1), entropy or None)``."""
+        lengths = mask.sum(1).tolist()
+        width = ids.size(1)
+        bins = _first_fit_decreasing(lengths, width)
+        packed = ids.new_full((len(bins), width), 0)
+        positions = torch.zeros_like(packed)
+        packed_labels = torch.full_like(packed, -100)
+        place = [(0, 0)] * len(lengths)  # row -> (bin, offset)
+        for r, members in enumerate(bins):
+            offset = 0
+            for i in members:
+                n = lengths[i]
+                packed[r, offset : offset + n] = ids[i, :n]
+                packed_labels[r, offset : offset + n] = labels[i, :n]
+                positions[r, offset : offset + n] = torch.arange(n)
+                place[i] = (r, offset)
+                offset += n
+            positions[r, offset:] = torch.arange(width - offset)  # the tail is a sequence of its own
+        with self.accelerator.autocast():
+            out = model(input_ids=packed, position_ids=positions, labels=packed_labels, fused_lm_head=True)
+        rows = torch.tensor([r for r, _ in place], device=ids.device)
+        cols = torch.tensor([o for _, o in place], device=ids.device).unsqueeze(1) + torch.arange(width - 1, device=ids.device)
+        cols = cols.clamp(max=width - 2)  # (b, W-1): beyond a row's length the values are masked by the caller
+        take = lambda t: t[rows.unsqueeze(1), cols]  # noqa: E731
+        return take(out.log_probs), (take(out.entropy) if compute_entropy else None)
+
+    def _packing_ok(self, model, ids, mask, labels) -> bool:
+        """Packing is used once it has been checked on this model: the first time, one micro-batch is scored both
+        ways (no gradient) and packing stays off, with a warning, if the log-probs differ."""
+        if self._packing_checked is None:
+            if not self.model.training or mask.size(0) < 2:
+                return False
+            with torch.no_grad():
+                with self.accelerator.autocast():
+                    plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+                packed, _ = self._packed_forward(model, ids, mask, labels, False)
+            scored = labels[:, 1:] != -100
+            if not scored.any():
+                return False
+            err = float((plain - packed)[scored].abs().mean())
+            half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
+            self._packing_checked = err < (5e-2 if half else 1e-3)  # a leaking mask changes log-probs by O(1)
+            if not self._packing_checked:
+                logger.warning(
+                    "pack_sequences: packed and unpacked log-probs differ by %.2e (mean) on this model (its attention "
+                    "does not isolate sequences by position ids); training without packing.", err,
+                )
+        return self._packing_checked
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -680,12 +739,31 @@ def _compact_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, complet
     return ids, new_mask, index, valid, is_completion
 
 
-def _tokens_processed(chunk: dict, compact: bool) -> int:
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into bins of total at most ``capacity`` (first-fit decreasing)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def _tokens_processed(chunk: dict, compact: bool, pack: bool = False) -> int:
     """Tokens one training forward of ``chunk`` computes, padding included."""
     if not compact:
         return chunk["prompt_ids"].numel() + chunk["completion_ids"].numel()
-    lengths = chunk["prompt_mask"].sum(1) + chunk["completion_mask"].sum(1)  # (B,)
-    return int(lengths.max()) * lengths.numel() if lengths.numel() else 0
+    lengths = (chunk["prompt_mask"].sum(1) + chunk["completion_mask"].sum(1)).tolist()  # (B,)
+    if not lengths:
+        return 0
+    rows = len(_first_fit_decreasing(lengths, max(lengths))) if pack else len(lengths)
+    return int(max(lengths)) * rows
 
 
 def _rows(value, index: list[int]):
