@@ -187,6 +187,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         # </answer>); the rollout knows which trajectories hit a limit, so this trainer applies the mask itself.
         self._mask_truncated = bool(args.mask_truncated_completions)
         self._packing_checked: bool | None = None  # pack_sequences: None until checked on the first micro-batch
+        self._in_packing_check = False
         self.mask_truncated_completions = False
         tokenizer = self._tokenizer
         if tokenizer.pad_token is None:
@@ -564,10 +565,14 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if self._packing_checked is None:
             if not self.model.training or mask.size(0) < 2:
                 return False
-            with torch.no_grad():
-                with self.accelerator.autocast():
-                    plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
-                packed, _ = self._packed_forward(model, ids, mask, labels, False)
+            self._in_packing_check = True  # lets profilers tell this one-time pass from training
+            try:
+                with torch.no_grad():
+                    with self.accelerator.autocast():
+                        plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+                    packed, _ = self._packed_forward(model, ids, mask, labels, False)
+            finally:
+                self._in_packing_check = False
             scored = labels[:, 1:] != -100
             if not scored.any():
                 return False
