@@ -156,3 +156,4 @@ def test_balanced_partition_properties_and_padding():
             size = n // k
             plain = sum(size * max(lengths[j * size : (j + 1) * size]) for j in range(k))
             assert padded <= plain
+

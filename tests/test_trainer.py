@@ -460,7 +460,8 @@ def test_packed_sequences_give_the_unpacked_log_probs(tmp_path, smollm2_tokenize
     completion token as the row-per-sequence forward does, in fewer rows; the first-micro-batch check accepts it."""
     from trl import GRPOTrainer
 
-    from trl_multiturn.trainer import _first_fit_decreasing, _tokens_processed
+    from trl_multiturn.batching import first_fit_decreasing
+    from trl_multiturn.trainer import _tokens_processed
 
     trainer = MultiTurnGRPOTrainer(
         model=tiny_model_factory(), args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
@@ -475,7 +476,7 @@ def test_packed_sequences_give_the_unpacked_log_probs(tmp_path, smollm2_tokenize
     assert trainer._packing_checked is True
     real = mask[:, -c_w:].bool()
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
-    assert _first_fit_decreasing([16, 5, 10, 2, 6, 7], 16) == [[0], [2, 4], [5, 1, 3]]
+    assert first_fit_decreasing([16, 5, 10, 2, 6, 7], 16) == [[0], [2, 4], [5, 1, 3]]
     chunk = {"prompt_mask": mask[:, :-c_w], "completion_mask": mask[:, -c_w:], "prompt_ids": ids[:, :-c_w],
              "completion_ids": ids[:, -c_w:]}
     assert _tokens_processed(chunk, compact=True, pack=True) == 16 * 3 < _tokens_processed(chunk, compact=True) == 16 * 6
@@ -506,3 +507,40 @@ def test_packing_is_turned_off_when_the_model_ignores_position_ids(tmp_path, smo
     assert trainer._packing_checked is False and "training without packing" in caplog.text
     real = mask[:, -c_w:].bool()
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attention_packs_a_micro_batch_into_one_row(tmp_path, smollm2_tokenizer, tiny_model_factory,
+                                                          monkeypatch):
+    """With a variable-length attention kernel the whole micro-batch is one row (no padding at all). The kernel is
+    not available on CPU: the layout is checked with sdpa, whose packed-sequence masks isolate sequences the same
+    way, and the detection on a config that names a flash kernel."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    import trl_multiturn.trainer as trainer_module
+
+    assert trainer_module._varlen_attention(SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2")))
+    assert trainer_module._varlen_attention(SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(
+        _attn_implementation="kernels-community/flash-attn3"))))
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    model = trainer.model.train()
+    assert not trainer_module._varlen_attention(model)  # sdpa
+    lengths = [(7, 9), (2, 3), (5, 5)]
+    ids, mask, c_w = _left_right_padded_batch(lengths, smollm2_tokenizer.pad_token_id, seed=4)
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)), with_kwargs=True)
+    trainer._packing_checked = True
+    with torch.no_grad():
+        theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, c_w)
+        packed_rows, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
+        monkeypatch.setattr(trainer_module, "_varlen_attention", lambda model: True)
+        one_row, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
+    hook.remove()
+    real = mask[:, -c_w:].bool()
+    torch.testing.assert_close(packed_rows[real], theirs[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(one_row[real], theirs[real], atol=1e-5, rtol=1e-5)
+    assert shapes[-1] == (1, sum(p + c for p, c in lengths)) and shapes[-2][0] == 2, shapes

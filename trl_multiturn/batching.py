@@ -243,3 +243,21 @@ def balanced_partition(lengths: list[int], num_parts: int) -> list[list[int]]:
         cuts.insert(largest + 1, cuts[largest][half:])
         cuts[largest] = cuts[largest][:half]
     return [sorted(p) for p in cuts]
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into bins whose lengths sum to at most ``capacity`` (first-fit decreasing;
+    an item longer than ``capacity`` gets a bin of its own). Bins are in creation order, members longest first."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+

@@ -33,7 +33,7 @@ from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import split_tensor_dict
 
 from .advantages import group_advantages, turn_advantages
-from .batching import balanced_partition
+from .batching import balanced_partition, first_fit_decreasing
 from .checkpointing import AtomicCheckpointMixin
 from .config import MultiTurnGRPOConfig
 from .generation import SamplingParams, TransformersGenerator, VLLMGenerator
@@ -532,12 +532,15 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def _packed_forward(self, model, ids, mask, labels, compute_entropy):
         """Forward compacted rows packed several to a row (first-fit decreasing into rows as wide as the longest),
         each sequence with its own position ids from 0, so the model's attention is block-diagonal (transformers
-        derives packed-sequence masks from position ids when no attention mask is given). Returns per-row outputs
-        laid out as the compacted rows': ``(log_probs (b, W-1), entropy or None)``."""
+        derives packed-sequence masks from position ids when no attention mask is given). With flash-attention
+        kernels (variable-length sequences, no attention across or beyond them) everything goes into one row.
+        Returns per-row outputs laid out as the compacted rows': ``(log_probs (b, W-1), entropy or None)``."""
         lengths = mask.sum(1).tolist()
         width = ids.size(1)
-        bins = _first_fit_decreasing(lengths, width)
-        packed = ids.new_full((len(bins), width), 0)
+        capacity = sum(lengths) if _varlen_attention(model) else width
+        bins = first_fit_decreasing(lengths, capacity)
+        capacity = max(sum(lengths[i] for i in members) for members in bins)
+        packed = ids.new_full((len(bins), capacity), 0)
         positions = torch.zeros_like(packed)
         packed_labels = torch.full_like(packed, -100)
         place = [(0, 0)] * len(lengths)  # row -> (bin, offset)
@@ -550,12 +553,12 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 positions[r, offset : offset + n] = torch.arange(n)
                 place[i] = (r, offset)
                 offset += n
-            positions[r, offset:] = torch.arange(width - offset)  # the tail is a sequence of its own
+            positions[r, offset:] = torch.arange(capacity - offset)  # the tail is a sequence of its own
         with self.accelerator.autocast():
             out = model(input_ids=packed, position_ids=positions, labels=packed_labels, fused_lm_head=True)
         rows = torch.tensor([r for r, _ in place], device=ids.device)
         cols = torch.tensor([o for _, o in place], device=ids.device).unsqueeze(1) + torch.arange(width - 1, device=ids.device)
-        cols = cols.clamp(max=width - 2)  # (b, W-1): beyond a row's length the values are masked by the caller
+        cols = cols.clamp(max=capacity - 2)  # (b, W-1): beyond a row's length the values are masked by the caller
         take = lambda t: t[rows.unsqueeze(1), cols]  # noqa: E731
         return take(out.log_probs), (take(out.entropy) if compute_entropy else None)
 
@@ -744,20 +747,12 @@ def _compact_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, complet
     return ids, new_mask, index, valid, is_completion
 
 
-def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped into bins of total at most ``capacity`` (first-fit decreasing)."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(capacity - lengths[i])
-    return bins
+def _varlen_attention(model) -> bool:
+    """Whether the model's attention runs packed sequences as variable-length ones (flash-attention kernels)."""
+    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers
+        model = model.module
+    implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+    return "flash" in implementation
 
 
 def _tokens_processed(chunk: dict, compact: bool, pack: bool = False) -> int:
@@ -767,7 +762,7 @@ def _tokens_processed(chunk: dict, compact: bool, pack: bool = False) -> int:
     lengths = (chunk["prompt_mask"].sum(1) + chunk["completion_mask"].sum(1)).tolist()  # (B,)
     if not lengths:
         return 0
-    rows = len(_first_fit_decreasing(lengths, max(lengths))) if pack else len(lengths)
+    rows = len(first_fit_decreasing(lengths, max(lengths))) if pack else len(lengths)
     return int(max(lengths)) * rows
 
 
