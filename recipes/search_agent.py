@@ -56,7 +56,7 @@ class SearchAgentArguments:
     eval_max_tokens_per_turn: int = field(default=96, metadata={"help": "Token cap of one turn during evaluation."})
     eval_before: bool = field(default=True, metadata={"help": "Evaluate the base model before training."})
     warm_start: str = field(default="auto", metadata={"help": "Multi-turn SFT on expert trajectories before GRPO: 'auto' (on below 1B parameters), 'on', 'off'."})
-    sft_num_examples: int = field(default=96, metadata={"help": "Expert trajectories used for the warm start."})
+    sft_num_examples: int = field(default=48, metadata={"help": "Expert trajectories used for the warm start."})
     sft_epochs: float = field(default=1.0, metadata={"help": "Epochs of the warm start."})
     sft_learning_rate: float = field(default=1e-3, metadata={"help": "Learning rate of the warm start."})
     sft_batch_size: int = field(default=2, metadata={"help": "Per-device batch size of the warm start."})
@@ -73,9 +73,10 @@ DEFAULTS = dict(
     use_peft=True,
     lora_r=16,
     lora_alpha=32,
+    lora_dropout=0.0,  # measured: LoRA dropout is ~10% of a CPU training step; GRPO turns dropout off anyway
     lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     learning_rate=2e-4,
-    max_steps=8,
+    max_steps=3,
     num_generations=4,
     prompts_per_rollout=2,
     mini_batch_size=8,
