@@ -33,7 +33,7 @@ class EvalArguments(recipe.SearchAgentArguments):
     adapter: str | None = field(default=None, metadata={"help": "A PEFT adapter to load on the base model: a local path or a Hub repo id."})
     split: str = field(default="test", metadata={"help": "'test' (held-out) or 'train' questions of the offline KB."})
     max_turns: int = field(default=4, metadata={"help": "Maximum actions per trajectory."})
-    max_completion_length: int = field(default=640, metadata={"help": "Token budget of a trajectory (actions and observations)."})
+    max_completion_length: int = field(default=1024, metadata={"help": "Token budget of a trajectory (actions and observations)."})
     max_observation_tokens: int = field(default=256, metadata={"help": "Observations are cut to this many tokens."})
     output_json: str | None = field(default=None, metadata={"help": "Write the summary and per-question records here."})
 
