@@ -29,13 +29,13 @@ def test_warm_start_makes_smollm2_follow_the_protocol(tmp_path, smollm2_dir):
         return out["summary"]["all"]
 
     before = evaluate()
-    experts, stats = build_expert_trajectories(data.train_rows[:24], env_factory=env_factory, seed=0)
+    experts, stats = build_expert_trajectories(data.train_rows[:16], env_factory=env_factory, seed=0)
     assert stats["kept"] == len(experts) > 0
     protocol = TagProtocol(max_observation_tokens=256)
     trajectories = [trajectory_from_tag_text(e.prompt, e.to_text(), tok, protocol) for e in experts]
     args = SFTConfig(output_dir=str(tmp_path), num_train_epochs=2, learning_rate=1e-3, per_device_train_batch_size=4,
                      logging_steps=1, save_strategy="no", report_to="none", max_length=None, seed=0,
-                     lr_scheduler_type="constant", gradient_checkpointing=False)
+                     lr_scheduler_type="constant", gradient_checkpointing=False, bf16=False)
     trainer = train_sft(model, tok, trajectories, args,
                         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     model = trainer.model
