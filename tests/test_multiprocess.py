@@ -41,6 +41,9 @@ COMMON = [
     "--offline_entities", "20", "--num_train_questions", "8", "--num_eval_questions", "4", "--eval_batch_size", "4",
     "--eval_max_tokens_per_turn", "16", "--max_steps", "2", "--max_turns", "2", "--max_completion_length", "256",
     "--max_tokens_per_turn", "16", "--max_observation_tokens", "64",
+    # a random model runs every trajectory into the token budget; the recipe's default masks such trajectories out
+    # of the loss, which here would leave nothing to train on
+    "--mask_truncated_completions", "false",
 ]
 RUNS = {
     "whole": {"prompts_per_rollout": 4, "num_generations": 2, "mini_batch_size": 8, "micro_batch_size": 2},
