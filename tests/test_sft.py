@@ -447,6 +447,45 @@ def test_packing_keeps_the_loss(tmp_path, tool_tok, tiny_model_factory):
         )
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_compact_head_equals_trl(tmp_path, tool_tok, tiny_model_factory, packing):
+    """MultiTurnSFTTrainer on CPU: the LM head sees only supervised positions; loss, gradients and metrics are TRL's."""
+    from trl import SFTTrainer
+
+    from trl_multiturn.sft import MultiTurnSFTTrainer
+
+    trajectories = three_trajectories(tool_tok)
+    extra = {"packing": True, "max_length": 512} if packing else {}
+    results = []
+    for cls in (SFTTrainer, MultiTurnSFTTrainer):
+        model = tiny_model_factory(seed=4)
+        trainer = cls(model=model, args=sft_args(tmp_path, **extra), train_dataset=sft_dataset(trajectories),
+                      processing_class=tool_tok)
+        batch = batch_for(trainer)
+        rows = []
+        handle = model.lm_head.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[:-1].numel()))
+        model.train()
+        n_items = (batch["labels"][:, 1:] != -100).sum()
+        loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=n_items)
+        loss.backward()
+        handle.remove()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        results.append((loss.detach(), grads, metrics, rows, batch))
+    (trl_loss, trl_grads, trl_metrics, trl_rows, batch), (loss, grads, metrics, rows, _) = results
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == trl_grads.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], trl_grads[k], rtol=1e-4, atol=1e-6)
+    for k in ("entropy", "mean_token_accuracy", "num_tokens"):
+        assert metrics[k] == pytest.approx(trl_metrics[k], rel=1e-4), k
+    supervised = int((batch["labels"][:, 1:] != -100).any(0).sum())
+    # the head ran once, on the supervised positions (TRL's fused head on CPU scores all labels.numel() positions)
+    assert rows == [batch["labels"].shape[0] * supervised] and rows[0] < batch["labels"].numel()
+    with torch.no_grad():
+        torch.testing.assert_close(loss, hand_loss(model.eval(), trajectories), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------- training
 def test_train_sft_short_run_learns(tmp_path, tool_tok, tiny_model_factory):
     from peft import LoraConfig

@@ -508,12 +508,105 @@ def sft_dataset(trajectories: Sequence[Trajectory]):
     return Dataset.from_dict({"input_ids": input_ids, "assistant_masks": masks})
 
 
+def _sft_trainer_class():
+    """``MultiTurnSFTTrainer``, built on first use so that importing this module does not import TRL."""
+    global _SFT_TRAINER_CLASS
+    if _SFT_TRAINER_CLASS is not None:
+        return _SFT_TRAINER_CLASS
+    import torch
+    from trl import SFTTrainer
+
+    class MultiTurnSFTTrainer(SFTTrainer):
+        """TRL's ``SFTTrainer`` whose CPU loss projects only the supervised positions through the LM head.
+
+        TRL's fused LM head scores only the positions with a label on Triton devices, and every position elsewhere
+        (its log-probs are then zeroed where the label is -100). A multi-turn trajectory is mostly prompt and
+        observations (the search agent's: ~20% assistant tokens), so on CPU most of the head's work, about a fifth
+        of a small model's step, is thrown away. On CPU this trainer asks the model for the logits of the positions
+        whose next token is supervised in any row of the batch (``logits_to_keep`` as an index tensor) and computes
+        TRL's loss from them: the summed NLL over ``num_items_in_batch`` (the supervised tokens of the accumulated
+        batch), with the same entropy / token-accuracy / token-count metrics. The loss and gradients equal
+        ``SFTTrainer``'s (tested); every other case (GPUs, label smoothing, ``compute_loss_func``, DFT, MoE aux
+        losses, sequence parallelism, ``return_outputs``) is TRL's own path.
+        """
+
+        def _compact_head_applies(self, model, inputs, return_outputs) -> bool:
+            labels = inputs.get("labels")
+            return (
+                not return_outputs
+                and labels is not None
+                and labels.device.type == "cpu"
+                and self.compute_loss_func is None
+                and self.label_smoother is None
+                and getattr(self.args, "loss_type", "nll") == "nll"
+                and not self.aux_loss_enabled
+                and getattr(self.accelerator, "parallelism_config", None) is None
+                and hasattr(self, "_metrics")
+                and self._accepts_logits_to_keep(model)
+            )
+
+        def _accepts_logits_to_keep(self, model) -> bool:
+            if getattr(self, "_logits_to_keep_ok", None) is None:
+                base = self.accelerator.unwrap_model(model)
+                base = base.get_base_model() if hasattr(base, "get_base_model") else base
+                self._logits_to_keep_ok = "logits_to_keep" in inspect.signature(type(base).forward).parameters
+            return self._logits_to_keep_ok
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not self._compact_head_applies(model, inputs, return_outputs):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            mode = "train" if self.model.training else "eval"
+            labels = inputs["labels"][:, 1:]  # the label of position t is the token at t + 1
+            keep = (labels != -100).any(dim=0).nonzero().squeeze(1)
+            model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+            outputs = model(**model_inputs, use_cache=False, logits_to_keep=keep)
+            targets = labels[:, keep]
+            valid = targets != -100
+            logps = torch.log_softmax(outputs.logits.float(), dim=-1)
+            token_logps = logps.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
+            num_tokens = valid.sum() if num_items_in_batch is None else num_items_in_batch
+            loss = -token_logps.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            with torch.no_grad():  # the metrics of SFTTrainer.compute_loss, on the same positions
+                entropy = -(logps.exp() * logps).sum(-1) * valid
+                top1 = (outputs.logits.argmax(-1) == targets) & valid
+                gather = self.accelerator.gather_for_metrics
+                num_valid = gather(valid.sum()).sum()
+                entropy_sum, num_correct = gather(entropy.sum()).sum(), gather(top1.sum()).sum()
+                self._metrics[mode]["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
+                self._metrics[mode]["mean_token_accuracy"].append(
+                    (num_correct / num_valid).item() if num_valid > 0 else 0.0
+                )
+                if mode == "train":
+                    if "attention_mask" in inputs:
+                        in_batch = gather(inputs["attention_mask"].sum()).sum().item()
+                    else:
+                        in_batch = gather(torch.tensor(inputs["input_ids"].numel())).sum().item()
+                    self._total_train_tokens += in_batch // self._tp_size
+                self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            return loss
+
+    _SFT_TRAINER_CLASS = MultiTurnSFTTrainer
+    return MultiTurnSFTTrainer
+
+
+_SFT_TRAINER_CLASS = None
+
+
+def __getattr__(name: str):
+    if name == "MultiTurnSFTTrainer":
+        return _sft_trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def train_sft(model, tokenizer, trajectories: Sequence[Trajectory], args, peft_config=None, **trainer_kwargs):
     """Fine-tune ``model`` on ``trajectories`` with TRL's ``SFTTrainer``; returns the trainer after ``train()``.
 
-    A thin wrapper: ``SFTTrainer(model, args=args, train_dataset=sft_dataset(trajectories),
+    A thin wrapper: ``MultiTurnSFTTrainer(model, args=args, train_dataset=sft_dataset(trajectories),
     processing_class=tokenizer, peft_config=peft_config, **trainer_kwargs).train()``, after checking the settings
-    that would silently change what is trained.
+    that would silently change what is trained. ``MultiTurnSFTTrainer`` is TRL's ``SFTTrainer`` with, on CPU, the LM
+    head applied to the supervised positions only (same loss and gradients, fewer FLOPs).
 
     Args:
         model: a model or a model id / path, as ``SFTTrainer`` takes it.
@@ -528,8 +621,6 @@ def train_sft(model, tokenizer, trajectories: Sequence[Trajectory], args, peft_c
             "wrapped"`` with packing (it cuts trajectories), or a trajectory longer than ``max_length`` (TRL would
             truncate its end, usually the answer).
     """
-    from trl import SFTTrainer
-
     if getattr(args, "assistant_only_loss", False):
         raise ValueError(
             "train_sft got assistant_only_loss=True. The dataset is pre-tokenized with its own assistant masks; TRL's "
@@ -551,7 +642,7 @@ def train_sft(model, tokenizer, trajectories: Sequence[Trajectory], args, peft_c
                 "TRL would truncate its end (the final turns and the answer). Raise max_length (or set it to None), or "
                 "filter long trajectories out."
             )
-    trainer = SFTTrainer(
+    trainer = _sft_trainer_class()(
         model=model,
         args=args,
         train_dataset=sft_dataset(trajectories),
