@@ -161,6 +161,9 @@ def train_ours(base_model, tok, rows, trajs, env_class, args) -> dict:
     model = copy.deepcopy(base_model).train()
     kw = common_args(args, tempfile.mkdtemp())
     kw.update(max_turns=args.turns, max_observation_tokens=None)
+    if args.max_tokens_per_micro_batch:  # token budget: one accumulation slot per trajectory, the budget decides
+        kw.update(per_device_train_batch_size=1, gradient_accumulation_steps=args.trajectories,
+                  max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
     trainer = MultiTurnGRPOTrainer(
         model=model, reward_funcs=[position_reward], args=MultiTurnGRPOConfig(**kw), processing_class=tok,
         train_dataset=Dataset.from_list(rows), environment_factory=env_class,
@@ -206,6 +209,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--min-think", type=int, default=2)
     parser.add_argument("--max-think", type=int, default=40)
     parser.add_argument("--max-completion-length", type=int, default=2048)
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                        help="ours with token-budget micro-batches (TRL keeps --micro-batch)")
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps per measurement")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

@@ -284,6 +284,21 @@ def test_bad_config_names_the_field(tmp_path):
         MultiTurnGRPOConfig(output_dir=str(tmp_path), prompts_per_rollout=2, mini_batch_size=8, report_to="none")
     with pytest.raises(ValueError, match="mini_batch_size"):
         make_args(tmp_path, mini_batch_size=6)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0 must be a positive int"):
+        make_args(tmp_path, max_tokens_per_micro_batch=0)
+    with pytest.raises(ValueError, match="needs balance_micro_batches=True"):
+        make_args(tmp_path, max_tokens_per_micro_batch=4096, balance_micro_batches=False)
+
+
+def test_token_budget_parts():
+    from trl_multiturn.trainer import _token_budget_parts
+
+    # sorted 50, 40, 30, 20, 10 under 90: [50] (2 x 50 > 90), [40, 30] (2 x 40), [20, 10] (2 x 20)
+    assert _token_budget_parts([50, 40, 30, 20, 10], 90, 5) == [[0], [1, 2], [3, 4]]
+    assert _token_budget_parts([10, 50, 20, 40, 30], 90, 5) == [[1], [3, 4], [0, 2]]  # order of the rows is free
+    assert _token_budget_parts([70, 10], 60, 2) == [[0], [1]]  # longer than the budget: alone
+    assert _token_budget_parts([50, 40, 30, 20, 10], 90, 2) is None  # needs 3 of 2 slots
+    assert _token_budget_parts([5] * 8, 1000, 8) == [list(range(8))]
 
 
 def test_trl_private_seams_are_still_there():
@@ -422,6 +437,38 @@ def test_compact_padding_gives_trl_log_probs_with_fewer_tokens(tmp_path, smollm2
         ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, holed, c_w)
         theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, holed, c_w)
     assert torch.equal(ours, theirs)
+
+
+def test_token_budget_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    """max_tokens_per_micro_batch: the mini-batch is cut into the fewest micro-batches that fit the budget (unused
+    accumulation slots run an empty micro-batch); losses and gradients equal fixed-size micro-batching."""
+    runs, chunks = {}, {}
+    for budget in (None, 120, 10**6):
+        extra = {"micro_batch_size": 2} if budget is None else {"max_tokens_per_micro_batch": budget, "micro_batch_size": None}
+        args = make_args(tmp_path / str(budget), mini_batch_size=8, max_steps=2, max_turns=3, **extra)
+        trainer = MultiTurnGRPOTrainer(
+            model=tiny_model_factory(), args=args, train_dataset=dataset(), environment_factory=VariableLengthEnv,
+            reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+        )
+        seen = []
+        original = trainer._prepare_inputs
+        trainer._prepare_inputs = lambda batch: seen.append(original(batch)) or seen[-1]
+        trainer.train()
+        runs[budget], chunks[budget] = trainer, seen
+    assert runs[120].args.micro_batch_size == 1 and runs[120].args.gradient_accumulation_steps == 8
+    for budget in (120, 10**6):
+        for key in ("loss/pg_loss", "grad_norm", "reward"):
+            assert logged(runs[budget], key) == pytest.approx(logged(runs[None], key), abs=1e-5, rel=1e-4), key
+        real = [c for c in chunks[budget] if not c.get("empty_micro_batch")]
+        lengths = [(c["prompt_mask"].sum(1) + c["completion_mask"].sum(1)) for c in real]
+        assert all(len(n) == 1 or len(n) * int(n.max()) <= budget for n in lengths)  # padded size within budget
+        assert sum(len(n) for n in lengths) == 8 * 2  # every trajectory of both steps trained exactly once
+        empty = [c for c in chunks[budget] if c.get("empty_micro_batch")]
+        assert all(int(c["tool_mask"].sum()) == 0 and c["prompt_ids"].size(1) + c["completion_ids"].size(1) == 2
+                   for c in empty)
+    # everything fits one forward with a huge budget: one real micro-batch per step, 7 empty slots
+    assert logged(runs[10**6], "perf/micro_batches") == [1.0, 1.0]
+    assert 1.0 < min(logged(runs[120], "perf/micro_batches"))
 
 
 def test_compact_padding_leaves_training_unchanged(tmp_path, smollm2_tokenizer, tiny_model_factory):

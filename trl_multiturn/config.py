@@ -116,6 +116,19 @@ class MultiTurnGRPOConfig(GRPOConfig):
         },
     )
 
+    max_tokens_per_micro_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token-budget micro-batches (VeRL's use_dynamic_bsz with ppo_max_token_len_per_gpu): cut each "
+            "mini-batch, sorted by length, into the fewest micro-batches whose padded size (trajectories x longest "
+            "prompt + completion, per device) fits this budget (one longer than the budget goes alone). The "
+            "accumulation slots of an optimizer step stay fixed (mini_batch_size / micro_batch_size per device; "
+            "micro_batch_size defaults to 1 here, so there is a slot per trajectory) and the unused ones run an "
+            "empty 2-token micro-batch. Short rollouts then take few, full forwards; the loss is unchanged "
+            "(mini-batch-global normalizers). Needs balance_micro_batches. None: fixed micro_batch_size."
+        },
+    )
+
     compact_padding: bool = field(
         default=True,
         metadata={
@@ -147,7 +160,11 @@ class MultiTurnGRPOConfig(GRPOConfig):
     )
     micro_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Trajectories per device per forward/backward (VeRL ppo_micro_batch_size_per_gpu)."},
+        metadata={
+            "help": "Trajectories per device per forward/backward (VeRL ppo_micro_batch_size_per_gpu). With "
+            "max_tokens_per_micro_batch it only sets the accumulation slots (mini_batch_size / micro_batch_size per "
+            "device, the most micro-batches of an optimizer step); default 1 there."
+        },
     )
     ppo_epochs: int | None = field(
         default=None, metadata={"help": "Passes over each rollout (VeRL ppo_epochs; TRL num_iterations)."}
@@ -191,6 +208,20 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"max_completion_length must be a positive token budget; got {self.max_completion_length}."
             )
+        if self.max_tokens_per_micro_batch is not None:
+            budget = self.max_tokens_per_micro_batch
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise ValueError(
+                    f"max_tokens_per_micro_batch={budget!r} must be a positive int (tokens per device per forward), "
+                    "e.g. 16384, or None for fixed-size micro-batches."
+                )
+            if not self.balance_micro_batches:
+                raise ValueError(
+                    "max_tokens_per_micro_batch needs balance_micro_batches=True (it is how micro-batches are cut); "
+                    "got balance_micro_batches=False."
+                )
+            if self.micro_batch_size is None and self.mini_batch_size is not None:
+                self.micro_batch_size = 1  # one accumulation slot per trajectory: the budget decides
         knobs = {
             "prompts_per_rollout": self.prompts_per_rollout,
             "mini_batch_size": self.mini_batch_size,

@@ -454,13 +454,32 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             batch = self._generate_and_score_completions(generation_batch)
             batch = _shuffle_groups(batch, self.num_generations)
             if self.args.balance_micro_batches:
-                chunks = _balanced_micro_batches(batch, steps, self.args.gradient_accumulation_steps)
+                chunks = _balanced_micro_batches(
+                    batch, steps, self.args.gradient_accumulation_steps, self.args.max_tokens_per_micro_batch
+                )
+                self._log_micro_batches(chunks)
             else:
                 chunks = split_tensor_dict(batch, steps)
             self._attach_normalizers(chunks)
             self._log_padding(chunks)
             self._buffered_inputs = chunks
         return self._buffered_inputs[self._step % steps]
+
+    def _log_micro_batches(self, chunks: list[dict]) -> None:
+        """perf/micro_batches: forward/backward passes that carry loss per optimizer step (token budget: fewer when
+        trajectories are short); warns once when the budget needed more micro-batches than the plan has slots."""
+        real = sum(not c.get("empty_micro_batch", False) for c in chunks)
+        mini_batches = max(len(chunks) // self.args.gradient_accumulation_steps, 1)
+        self._metrics["train"]["perf/micro_batches"].append(real / mini_batches)
+        if any(c.get("over_token_budget") for c in chunks) and not getattr(self, "_warned_budget", False):
+            self._warned_budget = True
+            logger.warning(
+                "max_tokens_per_micro_batch=%d: a mini-batch needed more micro-batches than its %d accumulation slots; "
+                "it was cut into %d balanced micro-batches over the budget. Lower micro_batch_size (more slots; "
+                "empty ones cost ~nothing) or raise max_tokens_per_micro_batch.",
+                self.args.max_tokens_per_micro_batch, self.args.gradient_accumulation_steps,
+                self.args.gradient_accumulation_steps,
+            )
 
     def _log_padding(self, chunks: list[dict]) -> None:
         """perf/useful_token_frac = real tokens / tokens processed (padding included) over the rollout's micro-batches."""
@@ -772,9 +791,62 @@ def _rows(value, index: list[int]):
     return [value[i] for i in index]
 
 
-def _balanced_micro_batches(batch: dict, steps: int, accum: int) -> list[dict]:
+def _take_rows(batch: dict, index: list[int], n: int, prompt_width: int, completion_width: int) -> dict:
+    """The rows ``index`` of ``batch``, prompts cut to their last ``prompt_width`` columns (left padding) and the
+    completion-wide (B, C) tensors to their first ``completion_width`` columns (right padding)."""
+    width = batch["completion_ids"].size(1)
+    chunk = {}
+    for key, value in batch.items():
+        if value is None or isinstance(value, torch.Tensor) and value.ndim == 0:
+            chunk[key] = value
+            continue
+        if not isinstance(value, (torch.Tensor, list)) or len(value) != n:
+            chunk[key] = value
+            continue
+        v = _rows(value, index)
+        if isinstance(v, torch.Tensor) and key in ("prompt_ids", "prompt_mask"):
+            v = v[:, v.size(1) - prompt_width :]
+        elif isinstance(v, torch.Tensor) and v.ndim == 2 and v.size(1) == width:
+            v = v[:, :completion_width]
+        chunk[key] = v
+    return chunk
+
+
+def _empty_micro_batch(batch: dict, row: int, n: int) -> dict:
+    """A micro-batch that carries no loss: one row cut to two real tokens (its last prompt token and first
+    completion token, or its last two prompt tokens), the loss mask (``tool_mask``) all 0. Its forward/backward keeps
+    the accumulation count and the DDP/DeepSpeed hooks as planned at ~no cost; a row without a loss token counts in
+    no normalizer, so the mini-batch loss is unchanged."""
+    has_completion = int(batch["completion_mask"][row].sum()) > 0
+    chunk = _take_rows(batch, [row], n, 1 if has_completion else 2, 1)
+    chunk["tool_mask"] = torch.zeros_like(chunk["tool_mask"])
+    chunk["empty_micro_batch"] = True
+    return chunk
+
+
+def _token_budget_parts(lengths: list[int], budget: int, slots: int) -> list[list[int]] | None:
+    """Rows sorted by length (longest first) and cut greedily into the fewest consecutive micro-batches whose padded
+    size (rows x longest row) fits ``budget`` (a row longer than the budget goes alone), or None when that takes
+    more than ``slots`` micro-batches. Similar lengths share a micro-batch, so little is padding; greedy is optimal
+    for consecutive cuts of a sorted list. Returns row indices per part, each sorted."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts: list[list[int]] = []
+    for i in order:
+        if parts and lengths[parts[-1][0]] * (len(parts[-1]) + 1) <= budget:
+            parts[-1].append(i)  # the part's first row is its longest
+        else:
+            parts.append([i])
+    return [sorted(p) for p in parts] if len(parts) <= slots else None
+
+
+def _balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int | None = None) -> list[dict]:
     """Cut the rollout into ``steps`` micro-batches: consecutive mini-batches of equal size (whole groups kept by the
     shuffle), each dealt into ``accum`` micro-batches of balanced token counts and trimmed to their own padding.
+
+    With ``max_tokens`` (token-budget micro-batches, VeRL's ``use_dynamic_bsz``), each mini-batch is cut into the
+    fewest length-sorted micro-batches whose padded size fits the budget; the remaining of its ``accum`` accumulation slots get an
+    empty micro-batch (:func:`_empty_micro_batch`). When the budget would need more than ``accum`` micro-batches the
+    mini-batch is cut into ``accum`` balanced ones instead (over budget; the caller warns).
 
     Trimming is exact: prompts are left-padded and completions right-padded, so dropping all-padding columns changes
     no logit of a real token. Per-token tensors (B, C) are trimmed with the completions.
@@ -785,30 +857,23 @@ def _balanced_micro_batches(batch: dict, steps: int, accum: int) -> list[dict]:
     per_mini = n // (steps // accum)
     prompt_len = batch["prompt_mask"].sum(1)  # (B,)
     completion_len = batch["completion_mask"].sum(1)  # (B,)
-    width = batch["completion_ids"].size(1)
     chunks = []
     for start in range(0, n, per_mini):
         rows = list(range(start, start + per_mini))
         lengths = [int(prompt_len[r] + completion_len[r]) for r in rows]
-        for part in balanced_partition(lengths, accum):
+        parts = _token_budget_parts(lengths, max_tokens, accum) if max_tokens else None
+        over_budget = bool(max_tokens) and parts is None
+        if parts is None:
+            parts = balanced_partition(lengths, accum)
+        for part in parts:
             index = [rows[i] for i in part]
-            chunk = {}
             p_w = int(prompt_len[index].max())
             c_w = max(int(completion_len[index].max()), 1)
-            for key, value in batch.items():
-                if isinstance(value, torch.Tensor) and value.ndim == 0 or value is None:
-                    chunk[key] = value
-                    continue
-                if not isinstance(value, (torch.Tensor, list)) or len(value) != n:
-                    chunk[key] = value
-                    continue
-                v = _rows(value, index)
-                if isinstance(v, torch.Tensor) and key in ("prompt_ids", "prompt_mask"):
-                    v = v[:, v.size(1) - p_w :]
-                elif isinstance(v, torch.Tensor) and v.ndim == 2 and v.size(1) == width:
-                    v = v[:, :c_w]
-                chunk[key] = v
+            chunk = _take_rows(batch, index, n, p_w, c_w)
+            chunk["over_token_budget"] = over_budget
             chunks.append(chunk)
+        shortest = rows[min(range(len(rows)), key=lambda i: (int(completion_len[rows[i]]) == 0, lengths[i]))]
+        chunks.extend(_empty_micro_batch(batch, shortest, n) for _ in range(accum - len(parts)))
     return chunks
 
 
