@@ -529,6 +529,26 @@ def test_packed_sequences_give_the_unpacked_log_probs(tmp_path, smollm2_tokenize
     assert _tokens_processed(chunk, compact=True, pack=True) == 16 * 3 < _tokens_processed(chunk, compact=True) == 16 * 6
 
 
+def test_packing_check_is_not_fooled_by_dropout(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    """With LoRA dropout the two forwards of the check differ by the dropout noise unless they run without it; the
+    check must accept packing on such a model and leave it in train mode."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model_factory(), LoraConfig(r=8, lora_alpha=64, lora_dropout=0.5, init_lora_weights=False,
+                                                            target_modules=["q_proj", "v_proj", "up_proj"]))
+    trainer = MultiTurnGRPOTrainer(
+        model=model, args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    model = trainer.model.train()
+    ids, mask, c_w = _left_right_padded_batch([(7, 9), (2, 3), (5, 5), (3, 4)], smollm2_tokenizer.pad_token_id, seed=1)
+    with torch.no_grad():
+        noisy = [model(input_ids=ids, attention_mask=mask).logits for _ in range(2)]
+        assert (noisy[0] - noisy[1]).abs().mean() > 1e-3  # dropout is really on in train mode
+        trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
+    assert trainer._packing_checked is True and model.training
+
+
 def test_packing_is_turned_off_when_the_model_ignores_position_ids(tmp_path, smollm2_tokenizer, tiny_model_factory,
                                                                    caplog):
     """A model whose attention does not isolate packed sequences fails the first-micro-batch check: packing is off

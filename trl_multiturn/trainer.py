@@ -583,11 +583,13 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def _packing_ok(self, model, ids, mask, labels) -> bool:
         """Packing is used once it has been checked on this model: the first time, one micro-batch is scored both
-        ways (no gradient) and packing stays off, with a warning, if the log-probs differ."""
+        ways (no gradient, dropout off) and packing stays off, with a warning, if the log-probs differ."""
         if self._packing_checked is None:
             if not self.model.training or mask.size(0) < 2:
                 return False
             self._in_packing_check = True  # lets profilers tell this one-time pass from training
+            was_training = model.training
+            model.eval()  # both forwards without dropout (LoRA / attention dropout would differ between them)
             try:
                 with torch.no_grad():
                     with self.accelerator.autocast():
@@ -595,6 +597,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                     packed, _ = self._packed_forward(model, ids, mask, labels, False)
             finally:
                 self._in_packing_check = False
+                model.train(was_training)
             scored = labels[:, 1:] != -100
             if not scored.any():
                 return False
