@@ -56,11 +56,11 @@ class SearchAgentArguments:
     eval_max_tokens_per_turn: int = field(default=96, metadata={"help": "Token cap of one turn during evaluation."})
     eval_before: bool = field(default=True, metadata={"help": "Evaluate the base model before training."})
     warm_start: str = field(default="auto", metadata={"help": "Multi-turn SFT on expert trajectories before GRPO: 'auto' (on below 1B parameters), 'on', 'off'."})
-    sft_num_examples: int = field(default=48, metadata={"help": "Expert trajectories used for the warm start."})
+    sft_num_examples: int = field(default=64, metadata={"help": "Expert trajectories used for the warm start."})
     sft_epochs: float = field(default=1.0, metadata={"help": "Epochs of the warm start."})
     sft_learning_rate: float = field(default=1e-3, metadata={"help": "Learning rate of the warm start."})
-    sft_batch_size: int = field(default=2, metadata={"help": "Per-device batch size of the warm start."})
-    sft_gradient_accumulation_steps: int = field(default=4, metadata={"help": "Gradient accumulation of the warm start."})
+    sft_batch_size: int = field(default=1, metadata={"help": "Per-device batch size of the warm start (1: no padding, and on CPU the LM head scores exactly the supervised positions)."})
+    sft_gradient_accumulation_steps: int = field(default=2, metadata={"help": "Gradient accumulation of the warm start (measured: 64 trajectories in 32 optimizer steps reached 0.625 EM where 48 in 6 steps reached 0.031)."})
     sft_gradient_checkpointing: bool = field(default=False, metadata={"help": "Gradient checkpointing during the warm start (less memory, ~25% more compute)."})
     init_adapter: str | None = field(default=None, metadata={"help": "Start from this PEFT adapter (local path or Hub id), trained further by GRPO; replaces the warm start (e.g. a previous run's output_dir/sft_adapter)."})
     grpo: bool = field(default=True, metadata={"help": "Run the GRPO stage."})
@@ -86,6 +86,7 @@ DEFAULTS = dict(
     mask_truncated_completions=True,
     max_tokens_per_turn=96,
     max_observation_tokens=256,
+    topk=2,  # the offline CPU default: 2 documents per search (~18% shorter trajectories than Search-R1's 3)
     temperature=0.7,  # measured: after the warm start, sampling at 1.0 gave 0/16 correct answers (greedy: 22%)
     beta=0.0,
     logging_steps=1,
