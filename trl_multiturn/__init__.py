@@ -30,6 +30,7 @@ _LAZY = {
     "trajectories_from_policy": "trl_multiturn.sft",
     "sft_dataset": "trl_multiturn.sft",
     "train_sft": "trl_multiturn.sft",
+    "MultiTurnSFTTrainer": "trl_multiturn.sft",
 }
 
 __all__ = sorted(_LAZY)
@@ -48,6 +49,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .environment import Action, Environment, Step
     from .loss import aggregate_loss, policy_loss
     from .protocols import ChatToolProtocol, TagProtocol
-    from .sft import sft_dataset, train_sft, trajectories_from_policy, trajectory_from_messages, trajectory_from_tag_text
+    from .sft import MultiTurnSFTTrainer, sft_dataset, train_sft, trajectories_from_policy, trajectory_from_messages, trajectory_from_tag_text
     from .trainer import MultiTurnGRPOTrainer
     from .trajectory import Trajectory, TrajectoryBatch, collate_trajectories
