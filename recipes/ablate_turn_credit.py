@@ -49,18 +49,19 @@ def run_arm(mode: str, args, extra: list[str], evaluate_init: bool) -> dict:
 
 def table(arms: dict, target: float) -> str:
     lines = [
-        f"| arm | held-out EM | held-out F1 | searches | steps to train-rollout EM >= {target:g} | GRPO minutes |",
-        "|---|---|---|---|---|---|",
+        f"| arm | held-out EM | held-out F1 | searches | answered | steps to train-rollout EM >= {target:g} | GRPO minutes |",
+        "|---|---|---|---|---|---|---|",
     ]
     init = next((a["metrics"]["init"] for a in arms.values() if "init" in a["metrics"]), None)
     if init is not None:
         s = init["summary"]["all"]
-        lines.append(f"| start (warm-start adapter) | {s['exact_match']:.3f} | {s['f1']:.3f} | {s['searches']:.2f} | - | - |")
+        lines.append(f"| start (warm-start adapter) | {s['exact_match']:.3f} | {s['f1']:.3f} | {s['searches']:.2f} | "
+                     f"{s.get('answered', float('nan')):.2f} | - | - |")
     for mode, a in arms.items():
         s = a["metrics"]["grpo"]["summary"]["all"]
         reach = steps_to_reach(a["history"], "rewards/exact_match_reward/mean", target)
         lines.append(
-            f"| {mode} | {s['exact_match']:.3f} | {s['f1']:.3f} | {s['searches']:.2f} | "
+            f"| {mode} | {s['exact_match']:.3f} | {s['f1']:.3f} | {s['searches']:.2f} | {s.get('answered', float('nan')):.2f} | "
             f"{reach if reach is not None else 'not reached'} | {a['metrics']['grpo']['stage_seconds'] / 60:.1f} |"
         )
     return "\n".join(lines)
