@@ -358,6 +358,9 @@ def test_balanced_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_token
     plain, balanced = logged(runs[False], "perf/useful_token_frac"), logged(runs[True], "perf/useful_token_frac")
     assert all(b >= p for b, p in zip(balanced, plain)) and any(b > p for b, p in zip(balanced, plain)), (
         balanced, plain)
+    # episodes that end with done (no EOS at their end) are not "clipped": TRL's metric follows the trajectory's flag
+    clipped, truncated = logged(runs[True], "completions/clipped_ratio"), logged(runs[True], "rollout/truncated_frac")
+    assert clipped == pytest.approx(truncated) and min(clipped) < 1.0, (clipped, truncated)
 
 
 def test_qlora_step_with_kl_to_the_adapter_free_base(tmp_path, smollm2_tokenizer):

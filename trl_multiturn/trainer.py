@@ -285,9 +285,28 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         finally:
             self._pending_trajectories = None
         self._replace_advantages(output, trajs, mode)
+        self._fix_termination_metrics(trajs, mode)
         self._log_rollout_metrics(trajs, mode)
         self._log_rollout_speed(mode)
         return output
+
+    def _fix_termination_metrics(self, trajs: list[Trajectory], mode: str) -> None:
+        """TRL counts a completion as clipped when its last token is not EOS; a multi-turn trajectory ends at the
+        protocol's stop string (``</answer>``) or at ``done`` without one. Rewrite TRL's just-logged
+        ``completions/clipped_ratio`` and ``completions/*_terminated_length`` with the trajectory's own truncation
+        flag (cut by ``max_completion_length``, ``max_turns`` or a turn's token limit), as ``rollout/truncated_frac``."""
+        m = self._metrics[mode]
+        if not m.get("completions/clipped_ratio"):
+            return
+        device = self.accelerator.device
+        local = torch.tensor([[float(t.truncated), float(len(t.completion_ids))] for t in trajs], device=device)
+        rows = self.accelerator.gather(local)  # (B_global, 2)
+        truncated, lengths = rows[:, 0].bool(), rows[:, 1]
+        m["completions/clipped_ratio"][-1] = truncated.float().mean().item()
+        finished = lengths[~truncated] if bool((~truncated).any()) else torch.zeros(1, device=device)
+        for key, value in (("mean", finished.mean()), ("min", finished.min()), ("max", finished.max())):
+            if m.get(f"completions/{key}_terminated_length"):
+                m[f"completions/{key}_terminated_length"][-1] = value.item()
 
     def _log_rollout_speed(self, mode: str) -> None:
         """perf/ metrics of this process's last rollout (``MultiTurnRollout.last_stats``)."""
