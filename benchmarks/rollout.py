@@ -24,7 +24,6 @@ model's forward (real tokens; "positions" include padding). Results go to ``--ou
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -267,10 +266,7 @@ def main(argv=None) -> dict:
         "ours_generator_stats": rounds[0]["ours"].get("generator_stats"),
         "rounds": [{side: {k: v for k, v in rd[side].items() if k != "_trajs"} for side in sides} for rd in rounds],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    W.write_result(result, args.out)
     counter.close()
     return result
 

@@ -15,7 +15,6 @@ up to float error: same loss, same gradients) and the ratio, alternating which s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -100,10 +99,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "sft_step", "settings": vars(args), "lengths": lengths, "supervised_fraction": supervised,
               "median_s_per_trajectory": med, "speedup": med["trl"] / med["ours"], "max_loss_diff": loss_diff,
               "rounds": rounds}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    W.write_result(result, args.out)
     return result
 
 

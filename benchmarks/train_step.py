@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import tempfile
@@ -255,10 +254,7 @@ def main(argv=None) -> dict:
     print(f"\nstep-time ratio TRL / ours: {speed:.2f}x")
     result = {"benchmark": "train_step", "settings": vars(args), "median": med, "step_speedup": speed,
               "batch_lengths": lengths, "rounds": rounds}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    W.write_result(result, args.out)
     return result
 
 

@@ -23,6 +23,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,15 @@ FILLER = (
     "with confidence, checking each fact against the documents the search engine returns and keeping track of the "
     "names, places and dates that matter for the final answer"
 ).split()
+
+
+def write_result(result: dict, out: str) -> Path:
+    """Write a benchmark's result as JSON to ``out`` (folders created) and say where."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return path
 
 
 def offline_env() -> None:
