@@ -540,8 +540,8 @@ def test_packing_check_is_not_fooled_by_dropout(tmp_path, smollm2_tokenizer, tin
     model = get_peft_model(tiny_model_factory(), LoraConfig(r=8, lora_alpha=64, lora_dropout=0.5, init_lora_weights=False,
                                                             target_modules=["q_proj", "v_proj", "up_proj"]))
     trainer = MultiTurnGRPOTrainer(
-        model=model, args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
-        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+        model=model, args=make_args(tmp_path, disable_dropout=False), train_dataset=dataset(),
+        environment_factory=FeedbackEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
     )
     model = trainer.model.train()
     ids, mask, c_w = _left_right_padded_batch([(7, 9), (2, 3), (5, 5), (3, 4)], smollm2_tokenizer.pad_token_id, seed=1)
@@ -550,6 +550,13 @@ def test_packing_check_is_not_fooled_by_dropout(tmp_path, smollm2_tokenizer, tin
         assert (noisy[0] - noisy[1]).abs().mean() > 1e-3  # dropout is really on in train mode
         trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
     assert trainer._packing_checked is True and model.training
+
+    # by default (unlike TRL) the trainer turns dropout off, LoRA dropout included
+    assert MultiTurnGRPOConfig(output_dir=str(tmp_path / "d"), report_to="none").disable_dropout is True
+    model = get_peft_model(tiny_model_factory(), LoraConfig(r=8, lora_dropout=0.5, target_modules=["q_proj"]))
+    MultiTurnGRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
+                         reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer)
+    assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
 
 def test_packing_is_turned_off_when_the_model_ignores_position_ids(tmp_path, smollm2_tokenizer, tiny_model_factory,

@@ -44,6 +44,10 @@ class MultiTurnGRPOConfig(GRPOConfig):
     on_long_prompt (`str`, defaults to `"error"`): a prompt that does not fit the model's context raises ("error")
         or is dropped from the rollout and counted ("skip").
 
+    > Overridden default of GRPOConfig
+
+    disable_dropout (`bool`, defaults to `True`; TRL: `False`): dropout off, so the ratio is exactly 1 on a fresh rollout.
+
     > Parameters that control the loss and the advantages
 
     loss_aggregation (`str`, defaults to `"seq-mean-token-mean"`): VeRL's `loss_agg_mode`.
@@ -56,6 +60,17 @@ class MultiTurnGRPOConfig(GRPOConfig):
 
     prompts_per_rollout, mini_batch_size, micro_batch_size, ppo_epochs.
     """
+
+    # > Overridden defaults of GRPOConfig
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Turn dropout off in the policy (TRL's default: False). On by default here so that on a fresh "
+            "rollout the ratio is exactly 1 when pi_old is recomputed in a separate pass (several optimizer steps "
+            "per rollout) and the one-time packing check compares like with like; LoRA dropout of an SFT adapter "
+            "included."
+        },
+    )
 
     # > Parameters that control the multi-turn rollout
     max_turns: int = field(default=4, metadata={"help": "Maximum number of policy actions (turns) per trajectory."})

@@ -55,9 +55,12 @@ TRL_FIELDS: dict[str, list[tuple[str, str]]] = {
                           "advantages."),
         ("reward_weights", "One weight per entry of `reward_funcs`; the environment reward is appended with weight 1."),
         ("loss_type", "NOT used by this trainer: the policy loss is aggregated by `loss_aggregation`."),
-        ("mask_truncated_completions", "Leave False: TRL tests whether the LAST token is EOS, and a multi-turn "
-                                       "trajectory that ends on `</answer>` or on an observation would be masked."),
-        ("disable_dropout", "Set True for models with dropout, so that the recomputed old log-probs match."),
+        ("mask_truncated_completions", "Applied by this trainer, not by TRL's EOS test (a multi-turn trajectory "
+                                       "ends on `</answer>` or `done` without EOS): True drops from the loss the "
+                                       "trajectories cut by `max_completion_length`, `max_turns` or a turn's token "
+                                       "limit (`rollout/truncated_frac`)."),
+        ("disable_dropout", "Default True here (TRL: False), so the recomputed old log-probs match and the ratio is "
+                            "exactly 1 on a fresh rollout."),
     ],
     "Logging": [
         ("logging_steps", "TRL averages every `loss/*`, `rollout/*`, `env/*` metric over the window; `grad_norm` "
