@@ -285,25 +285,22 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         finally:
             self._pending_trajectories = None
         self._replace_advantages(output, trajs, mode)
-        self._fix_termination_metrics(trajs, mode)
         self._log_rollout_metrics(trajs, mode)
         self._log_rollout_speed(mode)
         return output
 
-    def _fix_termination_metrics(self, trajs: list[Trajectory], mode: str) -> None:
+    def _fix_termination_metrics(self, truncated: torch.Tensor, lengths: torch.Tensor, mode: str) -> None:
         """TRL counts a completion as clipped when its last token is not EOS; a multi-turn trajectory ends at the
         protocol's stop string (``</answer>``) or at ``done`` without one. Rewrite TRL's just-logged
         ``completions/clipped_ratio`` and ``completions/*_terminated_length`` with the trajectory's own truncation
-        flag (cut by ``max_completion_length``, ``max_turns`` or a turn's token limit), as ``rollout/truncated_frac``."""
+        flag (cut by ``max_completion_length``, ``max_turns`` or a turn's token limit), as ``rollout/truncated_frac``.
+        ``truncated`` and ``lengths`` are (B_global,), already gathered by :meth:`_log_rollout_metrics`."""
         m = self._metrics[mode]
         if not m.get("completions/clipped_ratio"):
             return
-        device = self.accelerator.device
-        local = torch.tensor([[float(t.truncated), float(len(t.completion_ids))] for t in trajs], device=device)
-        rows = self.accelerator.gather(local)  # (B_global, 2)
-        truncated, lengths = rows[:, 0].bool(), rows[:, 1]
+        truncated = truncated.bool()
         m["completions/clipped_ratio"][-1] = truncated.float().mean().item()
-        finished = lengths[~truncated] if bool((~truncated).any()) else torch.zeros(1, device=device)
+        finished = lengths[~truncated] if bool((~truncated).any()) else torch.zeros(1, device=lengths.device)
         for key, value in (("mean", finished.mean()), ("min", finished.min()), ("max", finished.max())):
             if m.get(f"completions/{key}_terminated_length"):
                 m[f"completions/{key}_terminated_length"][-1] = value.item()
@@ -424,13 +421,14 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 float(t.info.get("observation_sanitized", 0)),
                 float(len(t.info.get("observation_problems", []))),
                 float(t.info.get("skipped") is not None),
+                float(len(t.completion_ids)),
             ]
             for t in trajs
         ]
         stats = self.accelerator.gather(torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device))
-        turns, trunc, failed, errors, a_tok, o_tok, tool, answer, invalid, obs_trunc, sanitized, problems, skipped = (
-            stats.T
-        )
+        (turns, trunc, failed, errors, a_tok, o_tok, tool, answer, invalid, obs_trunc, sanitized, problems, skipped,
+         lengths) = stats.T
+        self._fix_termination_metrics(trunc, lengths, mode)
         total_actions = (tool + answer + invalid).sum().clamp(min=1)
         m = self._metrics[mode]
         m["rollout/turns_mean"].append(turns.mean().item())
@@ -494,10 +492,9 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             self._warned_budget = True
             logger.warning(
                 "max_tokens_per_micro_batch=%d: a mini-batch needed more micro-batches than its %d accumulation slots; "
-                "it was cut into %d balanced micro-batches over the budget. Lower micro_batch_size (more slots; "
-                "empty ones cost ~nothing) or raise max_tokens_per_micro_batch.",
+                "it was cut into that many balanced micro-batches, over the budget. Lower micro_batch_size (more "
+                "slots; empty ones cost ~nothing) or raise max_tokens_per_micro_batch.",
                 self.args.max_tokens_per_micro_batch, self.args.gradient_accumulation_steps,
-                self.args.gradient_accumulation_steps,
             )
 
     def _log_padding(self, chunks: list[dict]) -> None:
