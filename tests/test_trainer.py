@@ -445,10 +445,14 @@ def test_compact_padding_gives_trl_log_probs_with_fewer_tokens(tmp_path, smollm2
 def test_token_budget_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_tokenizer, tiny_model_factory):
     """max_tokens_per_micro_batch: the mini-batch is cut into the fewest micro-batches that fit the budget (unused
     accumulation slots run an empty micro-batch); losses and gradients equal fixed-size micro-batching."""
+    from trl_multiturn.trainer import _chunk_tokens
+
     runs, chunks = {}, {}
-    for budget in (None, 120, 10**6):
+    for name in (None, 120, 10**6, "120 unshared"):
+        budget = 120 if name == "120 unshared" else name
         extra = {"micro_batch_size": 2} if budget is None else {"max_tokens_per_micro_batch": budget, "micro_batch_size": None}
-        args = make_args(tmp_path / str(budget), mini_batch_size=8, max_steps=2, max_turns=3, **extra)
+        args = make_args(tmp_path / str(name), mini_batch_size=8, max_steps=2, max_turns=3,
+                         share_prompt_prefix=name != "120 unshared", **extra)
         trainer = MultiTurnGRPOTrainer(
             model=tiny_model_factory(), args=args, train_dataset=dataset(), environment_factory=VariableLengthEnv,
             reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
@@ -457,14 +461,18 @@ def test_token_budget_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_t
         original = trainer._prepare_inputs
         trainer._prepare_inputs = lambda batch: seen.append(original(batch)) or seen[-1]
         trainer.train()
-        runs[budget], chunks[budget] = trainer, seen
+        runs[name], chunks[name] = trainer, seen
     assert runs[120].args.micro_batch_size == 1 and runs[120].args.gradient_accumulation_steps == 8
-    for budget in (120, 10**6):
+    for name in (120, 10**6, "120 unshared"):
+        budget, share = (120, False) if name == "120 unshared" else (name, True)
         for key in ("loss/pg_loss", "grad_norm", "reward"):
-            assert logged(runs[budget], key) == pytest.approx(logged(runs[None], key), abs=1e-5, rel=1e-4), key
-        real = [c for c in chunks[budget] if not c.get("empty_micro_batch")]
+            assert logged(runs[name], key) == pytest.approx(logged(runs[None], key), abs=1e-5, rel=1e-4), key
+        real = [c for c in chunks[name] if not c.get("empty_micro_batch")]
         lengths = [(c["prompt_mask"].sum(1) + c["completion_mask"].sum(1)) for c in real]
-        assert all(len(n) == 1 or len(n) * int(n.max()) <= budget for n in lengths)  # padded size within budget
+        # padded size within budget (the shared-prompt forward computes a repeated prompt once)
+        assert all(len(n) == 1 or _chunk_tokens(c, True, False, share)[0] <= budget for c, n in zip(real, lengths))
+        if not share:
+            assert all(len(n) == 1 or len(n) * int(n.max()) <= budget for n in lengths)
         assert sum(len(n) for n in lengths) == 8 * 2  # every trajectory of both steps trained exactly once
         empty = [c for c in chunks[budget] if c.get("empty_micro_batch")]
         assert all(int(c["tool_mask"].sum()) == 0 and c["prompt_ids"].size(1) + c["completion_ids"].size(1) == 2
@@ -472,6 +480,10 @@ def test_token_budget_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_t
     # everything fits one forward with a huge budget: one real micro-batch per step, 7 empty slots
     assert logged(runs[10**6], "perf/micro_batches") == [1.0, 1.0]
     assert 1.0 < min(logged(runs[120], "perf/micro_batches"))
+    # group members share their prompt's forward: fewer tokens processed for the same loss
+    assert runs[120]._sharing_checked is True and runs["120 unshared"]._sharing_checked is None
+    shared, unshared = (logged(runs[k], "perf/completion_token_frac") for k in (120, "120 unshared"))
+    assert all(a > b for a, b in zip(shared, unshared)), (shared, unshared)
 
 
 def test_compact_padding_leaves_training_unchanged(tmp_path, smollm2_tokenizer, tiny_model_factory):
@@ -491,8 +503,9 @@ def test_compact_padding_leaves_training_unchanged(tmp_path, smollm2_tokenizer, 
         runs[compact] = trainer
     for key in ("loss/pg_loss", "loss/ratio_max", "grad_norm", "reward"):
         assert logged(runs[True], key) == pytest.approx(logged(runs[False], key), abs=1e-5, rel=1e-4), key
-    plain, compact = logged(runs[False], "perf/useful_token_frac"), logged(runs[True], "perf/useful_token_frac")
-    assert all(c >= p for c, p in zip(compact, plain)), (compact, plain)
+    # completion tokens / tokens processed: compaction (and sharing the group's prompt) process fewer tokens
+    plain, compact = (logged(runs[k], "perf/completion_token_frac") for k in (False, True))
+    assert all(c > p for c, p in zip(compact, plain)), (compact, plain)
 
 
 def test_tokens_processed_counts_the_compacted_width():
@@ -621,3 +634,132 @@ def test_flash_attention_packs_a_micro_batch_into_one_row(tmp_path, smollm2_toke
     torch.testing.assert_close(packed_rows[real], theirs[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(one_row[real], theirs[real], atol=1e-5, rtol=1e-5)
     assert shapes[-1] == (1, sum(p + c for p, c in lengths)) and shapes[-2][0] == 2, shapes
+
+
+def _group_batch(groups, pad_id, seed=0):
+    """TRL's layout for GRPO groups: ``groups`` = [(prompt length, [completion lengths of its members])]; members of
+    a group share their prompt tokens."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for p, completions in groups:
+        prompt = torch.randint(10, 4000, (p,), generator=g)
+        rows += [(prompt, torch.randint(10, 4000, (c,), generator=g)) for c in completions]
+    p_w, c_w = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    ids = torch.full((len(rows), p_w + c_w), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(rows):
+        ids[i, p_w - len(p) : p_w] = p
+        ids[i, p_w : p_w + len(c)] = c
+        mask[i, p_w - len(p) : p_w + len(c)] = 1
+    return ids, mask, c_w
+
+
+def _logps_and_grads(trainer, model, ids, mask, c_w, trl_path=False):
+    """Per-token log-probs of the completion columns, the gradients of a weighted sum of them, and the tokens that
+    went through the model outside the one-time checks."""
+    from trl import GRPOTrainer
+
+    seen = []
+
+    def count(module, args, kwargs):
+        if not trainer._in_packing_check:
+            seen.append(kwargs["input_ids"].numel())
+
+    hook = model.register_forward_pre_hook(count, with_kwargs=True)
+    model.zero_grad()
+    try:
+        if trl_path:
+            logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, c_w)
+        else:
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
+    finally:
+        hook.remove()
+    real = mask[:, -c_w:].bool()
+    (logps[real] * torch.linspace(0.5, 2.0, int(real.sum()))).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return logps.detach(), grads, sum(seen)
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non-reentrant"])
+def test_shared_prompt_forward_gives_the_log_probs_and_gradients(tmp_path, smollm2_tokenizer, tiny_model_factory,
+                                                                 checkpointing):
+    """share_prompt_prefix: each distinct prompt forwarded once, the members' completions on its keys/values. The
+    log-probs of every real completion token and the gradients of a loss on them equal TRL's row-per-sequence forward
+    (also under gradient checkpointing, whose replays must recompute the same tensors); the prompts go through the
+    model once."""
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=make_args(tmp_path, pack_sequences=False), train_dataset=dataset(),
+        environment_factory=FeedbackEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    model = trainer.model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    groups = [(9, [5, 12, 0, 3]), (4, [7, 1]), (6, [2])]  # prompts of different lengths, one unshared, one empty
+    ids, mask, c_w = _group_batch(groups, smollm2_tokenizer.pad_token_id, seed=3)
+    ours, g_ours, tokens = _logps_and_grads(trainer, model, ids, mask, c_w)
+    theirs, g_theirs, _ = _logps_and_grads(trainer, model, ids, mask, c_w, trl_path=True)
+    assert trainer._sharing_checked is True
+    real = mask[:, -c_w:].bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+    assert (ours[~real] == 0).all()
+    assert len(g_ours) == len(g_theirs) == len([p for p in model.parameters() if p.requires_grad])
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # shared: 3 prompts of <= 8 tokens (the last prompt token goes with the completion) + 7 rows of <= 13 tokens;
+    # compact rows without sharing: 7 x 21
+    assert tokens == 3 * 8 + 7 * 13 < 7 * 21
+
+
+def test_shared_prompt_forward_falls_back_where_the_cache_is_not_kept(tmp_path, smollm2_tokenizer, tiny_model_factory,
+                                                                      caplog):
+    """Reentrant gradient checkpointing runs layers without gradients, so the shared prompt's keys could not carry
+    any: sharing is turned off with a warning and the log-probs and gradients are TRL's. The same for a model whose
+    layers ignore the cache (one-time check)."""
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=make_args(tmp_path, pack_sequences=False), train_dataset=dataset(),
+        environment_factory=FeedbackEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    model = trainer.model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    ids, mask, c_w = _group_batch([(9, [5, 12, 3]), (4, [7, 1])], smollm2_tokenizer.pad_token_id, seed=4)
+    with caplog.at_level("WARNING"):
+        ours, g_ours, _ = _logps_and_grads(trainer, model, ids, mask, c_w)
+    assert trainer._sharing_checked is False and "training without prompt sharing" in caplog.text
+    theirs, g_theirs, _ = _logps_and_grads(trainer, model, ids, mask, c_w, trl_path=True)
+    real = mask[:, -c_w:].bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+    trainer._sharing_checked = None
+    model.gradient_checkpointing_disable()
+    inner = model.forward
+    model.forward = lambda *args, cache=None, past_key_values=None, **kwargs: inner(*args, **kwargs)
+    caplog.clear()
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
+    assert trainer._sharing_checked is False and "training without prompt sharing" in caplog.text
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_budget_parts():
+    """Token budget with the shared-prompt forward: a part costs distinct prompts x (longest prompt - 1) + rows x
+    (longest completion + 1) when a prompt repeats in it; of the length-sorted and the group-sorted greedy cuts the
+    one with fewer micro-batches (then fewer tokens) is kept."""
+    from trl_multiturn.trainer import _shared_budget_parts, _shared_cost
+
+    keys = [(1,) * 21] * 4 + [(2,) * 11] * 4
+    p = [21] * 4 + [11] * 4
+    c = [30, 9, 19, 29, 35, 5, 34, 4]
+    assert _shared_cost(keys, p, c, [0, 3]) == 20 + 2 * 31  # one prompt, two rows
+    assert _shared_cost(keys, p, c, [0, 4]) == 2 * 51  # no repeated prompt: rows x longest row
+    assert _shared_cost(keys, p, c, [0, 3, 4, 6]) == 2 * 20 + 4 * 36
+    # by length: [0, 3] 82, [4, 6] 82, [2, 1, 5, 7] 120 (3 parts); by group: 4 parts -> by length wins
+    assert _shared_budget_parts(keys, p, c, 130, 8) == [[0, 3], [4, 6], [1, 2, 5, 7]]
+    assert _shared_budget_parts(keys, p, c, 130, 2) is None  # needs 3 of 2 slots
+    assert _shared_budget_parts(keys, p, c, 10**6, 8) == [list(range(8))]
+    # two groups with interleaved lengths: by length 3 parts (143, 134, 110), by group 2 (124, 120)
+    keys = [(1,) * 41] * 4 + [(2,) * 41] * 4
+    p, c = [41] * 8, [20, 18, 16, 14, 19, 17, 15, 13]
+    assert _shared_budget_parts(keys, p, c, 150, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -164,6 +164,18 @@ class MultiTurnGRPOConfig(GRPOConfig):
         },
     )
 
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "With compact_padding: in a training forward whose rows repeat a prompt (the members of a GRPO "
+            "group), forward each distinct prompt once and the rows' completions on top of its KV cache (indexed "
+            "out to the rows; gradients flow back into the shared prompt). Same log-probs and gradients up to "
+            "float error; the prompt's compute is divided by the group members sharing a micro-batch. With "
+            "max_tokens_per_micro_batch the members of a group are kept together. Checked once per run against "
+            "the plain forward; off under gradient checkpointing (the layers drop the cache)."
+        },
+    )
+
     # > Parameters that control the batch plan
     prompts_per_rollout: int | None = field(
         default=None,

@@ -21,6 +21,7 @@ not finite are dropped from the loss and from their group's baseline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import Counter, defaultdict
@@ -187,6 +188,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         # </answer>); the rollout knows which trajectories hit a limit, so this trainer applies the mask itself.
         self._mask_truncated = bool(args.mask_truncated_completions)
         self._packing_checked: bool | None = None  # pack_sequences: None until checked on the first micro-batch
+        self._sharing_checked: bool | None = None  # share_prompt_prefix: None until checked on the first shared batch
         self._in_packing_check = False
         self.mask_truncated_completions = False
         tokenizer = self._tokenizer
@@ -472,7 +474,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             batch = _shuffle_groups(batch, self.num_generations)
             if self.args.balance_micro_batches:
                 chunks = _balanced_micro_batches(
-                    batch, steps, self.args.gradient_accumulation_steps, self.args.max_tokens_per_micro_batch
+                    batch, steps, self.args.gradient_accumulation_steps, self.args.max_tokens_per_micro_batch,
+                    share_prefix=self._sharing_planned(batch),
                 )
                 self._log_micro_batches(chunks)
             else:
@@ -497,15 +500,43 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 self.args.max_tokens_per_micro_batch, self.args.gradient_accumulation_steps,
             )
 
+    def _sharing_planned(self, batch: dict) -> bool:
+        """Whether the micro-batches can be cut for the shared-prompt forward (token budget): sharing is on and, the
+        first time, the one-time check passes on the rollout's first repeated prompt (so a budget is never planned for
+        a forward that does not happen)."""
+        if not (self.args.share_prompt_prefix and self.args.compact_padding and self.args.max_tokens_per_micro_batch):
+            return False
+        if self._sharing_checked is None:
+            keys = _prompt_keys(batch["prompt_ids"], batch["prompt_mask"])
+            rows = [i for i, k in enumerate(keys) if keys.count(k) > 1]
+            rows = [i for i in rows if keys[i] == keys[rows[0]]][:4] if rows else []
+            if len(rows) > 1:
+                index = torch.tensor(rows, device=batch["prompt_ids"].device)
+                input_ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], dim=1)
+                attention_mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], dim=1)
+                width = batch["completion_ids"].size(1)
+                if _prompt_completion_contiguous(attention_mask, width):
+                    ids, mask, _, _, is_completion = _compact_rows(input_ids, attention_mask, width)
+                    labels = ids.masked_fill(~is_completion, -100)
+                    self._share_prefix(self.model, input_ids, attention_mask, width, ids, mask, labels)
+        return self._sharing_checked is not False
+
     def _log_padding(self, chunks: list[dict]) -> None:
-        """perf/useful_token_frac = real tokens / tokens processed (padding included) over the rollout's micro-batches."""
-        real = sum(float(c["prompt_mask"].sum() + c["completion_mask"].sum()) for c in chunks)
-        pack = self.args.compact_padding and self.args.pack_sequences and self._packing_checked is not False
-        processed = sum(_tokens_processed(c, self.args.compact_padding, pack) for c in chunks)
+        """perf/useful_token_frac = real tokens / tokens processed (padding included) and perf/completion_token_frac
+        = completion (action + observation) tokens / tokens processed, over the rollout's micro-batches."""
+        compact = self.args.compact_padding
+        pack = compact and self.args.pack_sequences and self._packing_checked is not False
+        share = compact and self.args.share_prompt_prefix and self._sharing_checked is not False
+        counts = [_chunk_tokens(c, compact, pack, share) for c in chunks]  # (processed, real)
+        completion = sum(float(c["completion_mask"].sum()) for c in chunks)
         totals = self.accelerator.reduce(
-            torch.tensor([real, float(processed)], dtype=torch.float64, device=self.accelerator.device), reduction="sum"
+            torch.tensor([sum(r for _, r in counts), completion, sum(p for p, _ in counts)], dtype=torch.float64,
+                         device=self.accelerator.device),
+            reduction="sum",
         )
-        self._metrics["train"]["perf/useful_token_frac"].append(float(totals[0] / totals[1].clamp(min=1)))
+        processed = totals[2].clamp(min=1)
+        self._metrics["train"]["perf/useful_token_frac"].append(float(totals[0] / processed))
+        self._metrics["train"]["perf/completion_token_frac"].append(float(totals[1] / processed))
 
     def _attach_normalizers(self, chunks: list[dict]) -> None:
         """Give each micro-batch the (sequence, token) counts of its whole mini-batch over all ranks."""
@@ -550,6 +581,19 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 input_ids[start : start + batch_size], attention_mask[start : start + batch_size], logits_to_keep
             )  # (b, W) x2, (b, C) compact column of each completion column, (b, C) real-token flag, (b, W)
             labels = ids.masked_fill(~is_completion, -100)  # only real completion tokens are scored
+            chunk = (input_ids[start : start + batch_size], attention_mask[start : start + batch_size])
+            if self._share_prefix(model, *chunk, logits_to_keep, ids, mask, labels):
+                try:
+                    lp, ent = self._shared_prefix_forward(model, *chunk, logits_to_keep, compute_entropy)  # (b, C)
+                except _PrefixCacheDropped:
+                    self._sharing_checked = False
+                    logger.warning("share_prompt_prefix: the model's layers dropped the prompt's KV cache (gradient "
+                                   "checkpointing?); training without prompt sharing.")
+                else:
+                    logps.append(lp.masked_fill(~valid, 0.0))
+                    if compute_entropy:
+                        entropies.append(ent.masked_fill(~valid, 0.0))
+                    continue
             if self.args.pack_sequences and self._packing_ok(model, ids, mask, labels):
                 lp, ent = self._packed_forward(model, ids, mask, labels, compute_entropy)  # (b, W-1)
             else:
@@ -596,6 +640,113 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         cols = cols.clamp(max=capacity - 2)  # (b, W-1): beyond a row's length the values are masked by the caller
         take = lambda t: t[rows.unsqueeze(1), cols]  # noqa: E731
         return take(out.log_probs), (take(out.entropy) if compute_entropy else None)
+
+    def _share_prefix(self, model, input_ids, attention_mask, completion_width, ids, mask, labels) -> bool:
+        """Whether this micro-batch's rows go through :meth:`_shared_prefix_forward`: ``share_prompt_prefix`` is on,
+        a prompt repeats in it (GRPO group members), the model is not gradient-checkpointed (its layers drop a KV
+        cache then) and the one-time check passed. The check, the first time, scores the micro-batch both ways (no
+        gradient, dropout off); sharing stays off, with a warning, if the log-probs differ."""
+        if not self.args.share_prompt_prefix or self._sharing_checked is False:
+            return False
+        layer_types = getattr(self.accelerator.unwrap_model(model).config.get_text_config(), "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):  # sliding-window / linear-attention layers
+            return False
+        prompt_width = input_ids.size(1) - completion_width
+        keys = _prompt_keys(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+        if len(set(keys)) == len(keys) or min(len(k) for k in keys) < 2:
+            return False
+        if self._sharing_checked is None:
+            self._in_packing_check = True  # lets profilers tell this one-time pass from training
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad():
+                    with self.accelerator.autocast():
+                        plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+                    try:
+                        shared, _ = self._shared_prefix_forward(model, input_ids, attention_mask, completion_width, False)
+                    except _PrefixCacheDropped:
+                        shared = None
+            finally:
+                self._in_packing_check = False
+                model.train(was_training)
+            _, _, index, valid, _ = _compact_rows(input_ids, attention_mask, completion_width)
+            plain = plain.gather(1, (index - 1).clamp(min=0))  # (b, C), as the compact path reads it
+            err = float("inf") if shared is None else float((plain - shared)[valid].abs().mean())
+            half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
+            self._sharing_checked = err < (5e-2 if half else 1e-3)
+            if not self._sharing_checked:
+                logger.warning(
+                    "share_prompt_prefix: log-probs with the prompt forwarded once per group differ from the plain "
+                    "forward by %.2e (mean) on this model (its KV cache cannot be shared this way); training without "
+                    "prompt sharing.", err,
+                )
+        return self._sharing_checked
+
+    def _shared_prefix_forward(self, model, input_ids, attention_mask, completion_width, compute_entropy):
+        """Log-probs (and entropies) of the completion columns, (b, C), with each distinct prompt forwarded once.
+
+        Rows of a GRPO group share their prompt. The prompt without its last token is forwarded once per distinct
+        prompt (right-padded), keeping its keys and values; they are indexed out to the rows (a differentiable
+        gather: every row's gradient reaches the shared prompt activations) and each row forwards ``[last prompt
+        token, completion]`` attending to them, its position ids continuing the prompt's. Every real token sees the
+        tokens it sees in the row-per-sequence forward, at the same positions, so log-probs and gradients are the
+        same up to float error, and the prompt's share of the compute is divided by the rows sharing it. Padding
+        slots of shorter prompts sit between prompt and suffix and are masked out. The caches store nothing twice,
+        so a gradient-checkpointing replay recomputes the same tensors (non-reentrant checkpointing; with reentrant
+        checkpointing the prompt's keys carry no gradient and :class:`_PrefixCacheDropped` is raised).
+        """
+        from transformers import DynamicCache
+
+        record_layer, read_only_layer = _prefix_cache_layers()
+        prompt_width = input_ids.size(1) - completion_width
+        prompt_mask = attention_mask[:, :prompt_width]  # (b, P) left-padded
+        completion_mask = attention_mask[:, prompt_width:]  # (b, C) right-padded
+        keys = _prompt_keys(input_ids[:, :prompt_width], prompt_mask)
+        distinct: dict[tuple, int] = {}
+        device = input_ids.device
+        owner = torch.tensor([distinct.setdefault(k, len(distinct)) for k in keys], device=device)  # (b,)
+        prefix_width = max(len(k) for k in distinct) - 1
+        prefix_ids = torch.zeros(len(distinct), prefix_width, dtype=input_ids.dtype, device=device)  # (U, Pw)
+        prefix_mask = torch.zeros_like(prefix_ids)
+        for u, key in enumerate(distinct):
+            prefix_ids[u, : len(key) - 1] = torch.tensor(key[:-1], dtype=input_ids.dtype)
+            prefix_mask[u, : len(key) - 1] = 1
+        suffix_width = int(completion_mask.sum(1).max()) + 1
+        suffix_ids = torch.cat([input_ids[:, prompt_width - 1 : prompt_width], input_ids[:, prompt_width:]], dim=1)
+        suffix_mask = torch.cat([torch.ones_like(completion_mask[:, :1]), completion_mask], dim=1)
+        suffix_ids, suffix_mask = suffix_ids[:, :suffix_width], suffix_mask[:, :suffix_width]  # (b, S)
+        suffix_ids = suffix_ids.masked_fill(suffix_mask == 0, 0)
+        labels = suffix_ids.masked_fill(suffix_mask == 0, -100)
+        labels[:, 0] = -100  # the last prompt token is context, not scored
+        positions = prompt_mask.sum(1, keepdim=True) - 1 + torch.arange(suffix_width, device=device)  # (b, S)
+        cache_arg = _cache_argument(model)
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+        record = DynamicCache()
+        record.layer_class_to_replicate = record_layer
+        with self.accelerator.autocast(), _cache_through_checkpointing(model):
+            model(input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True, logits_to_keep=1,
+                  **{cache_arg: record})
+            if not record.layers or any(
+                not isinstance(layer, record_layer) or layer.get_seq_length() != prefix_width
+                or (needs_grad and not layer.keys.requires_grad)
+                for layer in record.layers
+            ):
+                raise _PrefixCacheDropped
+            shared = DynamicCache()
+            shared.layer_class_to_replicate = None
+            shared.layers = [read_only_layer(layer.keys[owner], layer.values[owner]) for layer in record.layers]
+            out = model(
+                input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[owner], suffix_mask], dim=1),
+                position_ids=positions, labels=labels, fused_lm_head=True, **{cache_arg: shared},
+            )
+        if any(layer.reads == 0 for layer in shared.layers):
+            raise _PrefixCacheDropped
+        # column j of the (b, S-1) output scores suffix token j+1 = completion token j
+        pad = completion_width - (suffix_width - 1)
+        lp = torch.nn.functional.pad(out.log_probs, (0, pad))
+        ent = torch.nn.functional.pad(out.entropy, (0, pad)) if compute_entropy else None
+        return lp, ent
 
     def _packing_ok(self, model, ids, mask, labels) -> bool:
         """Packing is used once it has been checked on this model: the first time, one micro-batch is scored both
@@ -785,6 +936,82 @@ def _compact_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, complet
     return ids, new_mask, index, valid, is_completion
 
 
+class _PrefixCacheDropped(RuntimeError):
+    """The model's layers did not extend the shared prompt's KV cache (e.g. gradient checkpointing drops it)."""
+
+
+def _prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[int, ...]]:
+    """Each row's real prompt tokens as a tuple (rows with equal tuples share their prompt)."""
+    return [tuple(row[m.bool()].tolist()) for row, m in zip(prompt_ids, prompt_mask)]
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers
+        model = model.module
+    return model
+
+
+_PREFIX_CACHE_LAYERS: tuple | None = None
+
+
+def _prefix_cache_layers():
+    """Two cache layers for :meth:`MultiTurnGRPOTrainer._shared_prefix_forward` that store nothing twice, so a
+    gradient-checkpointing replay of a layer gets the tensors of its first run: one keeps the key/value states of
+    the single prompt forward (overwriting), one returns the shared prompt's states followed by the new ones without
+    storing them."""
+    global _PREFIX_CACHE_LAYERS
+    if _PREFIX_CACHE_LAYERS is None:
+        from transformers.cache_utils import DynamicLayer
+
+        class RecordLayer(DynamicLayer):
+            def update(self, key_states, value_states, *args, **kwargs):
+                self.is_initialized, self.device = True, key_states.device
+                self.keys, self.values = key_states, value_states
+                return key_states, value_states
+
+        class ReadOnlyLayer(DynamicLayer):
+            def __init__(self, keys, values):
+                super().__init__()
+                self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
+                self.reads = 0
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                self.reads += 1
+                return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+        _PREFIX_CACHE_LAYERS = (RecordLayer, ReadOnlyLayer)
+    return _PREFIX_CACHE_LAYERS
+
+
+@contextlib.contextmanager
+def _cache_through_checkpointing(model):
+    """Let gradient-checkpointed decoder layers keep the cache they are given (transformers drops it because its own
+    caches grow on a replay; the caches of the shared-prompt forward do not)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - older transformers: layers keep their own rule
+        yield
+        return
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for m in layers:
+        m._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m._can_checkpoint_with_cache
+
+
+def _cache_argument(model) -> str:
+    """The name the model's forward takes its KV cache under (``cache`` from transformers 5.x, earlier
+    ``past_key_values``)."""
+    import inspect
+
+    model = _unwrap(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
 def _varlen_attention(model) -> bool:
     """Whether the model's attention runs packed sequences as variable-length ones (flash-attention kernels)."""
     while hasattr(model, "module"):  # DDP / DeepSpeed wrappers
@@ -793,15 +1020,39 @@ def _varlen_attention(model) -> bool:
     return "flash" in implementation
 
 
-def _tokens_processed(chunk: dict, compact: bool, pack: bool = False) -> int:
+def _tokens_processed(chunk: dict, compact: bool, pack: bool = False, share: bool = False) -> int:
     """Tokens one training forward of ``chunk`` computes, padding included."""
+    return _chunk_tokens(chunk, compact, pack, share)[0]
+
+
+def _chunk_tokens(chunk: dict, compact: bool, pack: bool = False, share: bool = False) -> tuple[int, int]:
+    """``(processed, real)``: tokens the training forward of ``chunk`` computes, padding included, and how many of
+    them are real tokens. With ``share``, a prompt repeated in the chunk is computed once (see
+    :meth:`MultiTurnGRPOTrainer._shared_prefix_forward`)."""
+    prompt_len, completion_len = chunk["prompt_mask"].sum(1), chunk["completion_mask"].sum(1)  # (B,)
+    real = int(prompt_len.sum() + completion_len.sum())
     if not compact:
-        return chunk["prompt_ids"].numel() + chunk["completion_ids"].numel()
-    lengths = (chunk["prompt_mask"].sum(1) + chunk["completion_mask"].sum(1)).tolist()  # (B,)
+        return chunk["prompt_ids"].numel() + chunk["completion_ids"].numel(), real
+    lengths = (prompt_len + completion_len).tolist()
     if not lengths:
-        return 0
+        return 0, 0
+    if share and not chunk.get("empty_micro_batch"):
+        keys = _prompt_keys(chunk["prompt_ids"], chunk["prompt_mask"])
+        if len(set(keys)) < len(keys) and min(len(k) for k in keys) >= 2:
+            cost = _shared_cost(keys, prompt_len.tolist(), completion_len.tolist(), range(len(keys)))
+            return cost, sum(len(k) - 1 for k in set(keys)) + int(completion_len.sum()) + len(keys)
     rows = len(first_fit_decreasing(lengths, max(lengths))) if pack else len(lengths)
-    return int(max(lengths)) * rows
+    return int(max(lengths)) * rows, real
+
+
+def _shared_cost(keys: list, prompt_len: list[int], completion_len: list[int], part) -> int:
+    """Padded size of the forward of rows ``part``: each distinct prompt once (less its last token) plus each row's
+    ``[last prompt token, completion]``, when a prompt repeats; rows x longest row otherwise."""
+    part = list(part)
+    distinct = {keys[i] for i in part}
+    if len(distinct) == len(part) or min(len(k) for k in distinct) < 2:
+        return len(part) * max(prompt_len[i] + completion_len[i] for i in part)
+    return len(distinct) * (max(prompt_len[i] for i in part) - 1) + len(part) * (max(completion_len[i] for i in part) + 1)
 
 
 def _rows(value, index: list[int]):
@@ -858,12 +1109,42 @@ def _token_budget_parts(lengths: list[int], budget: int, slots: int) -> list[lis
     return [sorted(p) for p in parts] if len(parts) <= slots else None
 
 
-def _balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int | None = None) -> list[dict]:
+def _shared_budget_parts(keys: list, prompt_len: list[int], completion_len: list[int], budget: int,
+                         slots: int) -> list[list[int]] | None:
+    """:func:`_token_budget_parts` for the shared-prompt forward: the padded size of a part is
+    :func:`_shared_cost`. Two orders are cut greedily and the better plan kept (fewer micro-batches, then fewer tokens):
+    rows by length (as without sharing) and rows of a prompt together, longest completion first, prompts ordered by
+    their longest row (members of a group then share their prompt's forward). None when more than ``slots``."""
+    n = len(keys)
+    by_prompt: dict[tuple, list[int]] = defaultdict(list)
+    for i in range(n):
+        by_prompt[keys[i]].append(i)
+    groups = sorted(by_prompt.values(), key=lambda rows: (-max(prompt_len[i] + completion_len[i] for i in rows), rows[0]))
+    orders = [
+        sorted(range(n), key=lambda i: (-(prompt_len[i] + completion_len[i]), i)),
+        [i for rows in groups for i in sorted(rows, key=lambda i: (-completion_len[i], i))],
+    ]
+    plans = []
+    for order in orders:
+        parts: list[list[int]] = []
+        for i in order:
+            if parts and _shared_cost(keys, prompt_len, completion_len, parts[-1] + [i]) <= budget:
+                parts[-1].append(i)
+            else:
+                parts.append([i])
+        plans.append((len(parts), sum(_shared_cost(keys, prompt_len, completion_len, p) for p in parts), parts))
+    count, _, parts = min(plans, key=lambda plan: plan[:2])
+    return [sorted(p) for p in parts] if count <= slots else None
+
+
+def _balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int | None = None,
+                            share_prefix: bool = False) -> list[dict]:
     """Cut the rollout into ``steps`` micro-batches: consecutive mini-batches of equal size (whole groups kept by the
     shuffle), each dealt into ``accum`` micro-batches of balanced token counts and trimmed to their own padding.
 
     With ``max_tokens`` (token-budget micro-batches, VeRL's ``use_dynamic_bsz``), each mini-batch is cut into the
-    fewest length-sorted micro-batches whose padded size fits the budget; the remaining of its ``accum`` accumulation slots get an
+    fewest length-sorted micro-batches whose padded size fits the budget (with ``share_prefix``, sized for the
+    shared-prompt forward: :func:`_shared_budget_parts`); the remaining of its ``accum`` accumulation slots get an
     empty micro-batch (:func:`_empty_micro_batch`). When the budget would need more than ``accum`` micro-batches the
     mini-batch is cut into ``accum`` balanced ones instead (over budget; the caller warns).
 
@@ -880,7 +1161,12 @@ def _balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int
     for start in range(0, n, per_mini):
         rows = list(range(start, start + per_mini))
         lengths = [int(prompt_len[r] + completion_len[r]) for r in rows]
-        parts = _token_budget_parts(lengths, max_tokens, accum) if max_tokens else None
+        if max_tokens and share_prefix:
+            keys = _prompt_keys(batch["prompt_ids"][rows[0] : rows[-1] + 1], batch["prompt_mask"][rows[0] : rows[-1] + 1])
+            p_len, c_len = [int(prompt_len[r]) for r in rows], [int(completion_len[r]) for r in rows]
+            parts = _shared_budget_parts(keys, p_len, c_len, max_tokens, accum)
+        else:
+            parts = _token_budget_parts(lengths, max_tokens, accum) if max_tokens else None
         over_budget = bool(max_tokens) and parts is None
         if parts is None:
             parts = balanced_partition(lengths, accum)
