@@ -54,8 +54,10 @@ def make_batch(model, tok, args):
     from trl_multiturn.trl_compat import TRLEnvironmentAdapter
 
     # One question per trajectory: the forced scripts are a function of the prompt, so copies of a prompt would be
-    # identical trajectories, which real GRPO groups are not. The trainers group rows by position
-    # (num_generations consecutive rows), which is all the step's compute depends on.
+    # identical trajectories, which real GRPO groups are not. With --prompts group (default) the members of a group
+    # are then given their group's prompt (first member's) and keep their own completions: the token layout of a
+    # real GRPO batch (a shared prompt, completions of different lengths), which is all a training step's compute
+    # depends on. --prompts distinct keeps one prompt per trajectory.
     wl, retriever = W.build_workload(
         tok, args.trajectories, args.turns, args.seed, args.min_think, args.max_think, 1, args.min_turns
     )
@@ -69,7 +71,13 @@ def make_batch(model, tok, args):
     rollout.close()
     for t in trajs:  # the sampling log-probs of forced tokens are 0; give them a plausible old policy value
         t.logprobs = [-1.0 if m else 0.0 for m in t.action_mask]
-    return wl.examples, trajs, env_class
+    rows = [dict(x) for x in wl.examples]
+    if args.prompts == "group":
+        for i, t in enumerate(trajs):  # every member of a GRPO group gets its group's prompt
+            leader = i - i % args.group_size
+            t.prompt_ids = list(trajs[leader].prompt_ids)
+            rows[i] = dict(rows[leader])
+    return rows, trajs, env_class
 
 
 class TrainingMeter:
@@ -159,7 +167,7 @@ def train_ours(base_model, tok, rows, trajs, env_class, args) -> dict:
 
     model = copy.deepcopy(base_model).train()
     kw = common_args(args, tempfile.mkdtemp())
-    kw.update(max_turns=args.turns, max_observation_tokens=None)
+    kw.update(max_turns=args.turns, max_observation_tokens=None, share_prompt_prefix=not args.no_share_prompt_prefix)
     if args.max_tokens_per_micro_batch:  # token budget: one accumulation slot per trajectory, the budget decides
         kw.update(per_device_train_batch_size=1, gradient_accumulation_steps=args.trajectories,
                   max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
@@ -202,6 +210,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--trajectories", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--prompts", default="group", choices=["group", "distinct"],
+                        help="group: the members of a GRPO group share their prompt (as in training); distinct: one "
+                        "prompt per trajectory")
+    parser.add_argument("--no-share-prompt-prefix", action="store_true",
+                        help="ours without the shared-prompt forward (ablation)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4, help="most turns of a trajectory")
     parser.add_argument("--min-turns", type=int, default=1, help="fewest turns (each question draws its own)")
@@ -243,7 +256,7 @@ def main(argv=None) -> dict:
         ("train() wall (s)", "train_wall_s", "{:.2f}"),
         ("tokens processed", "tokens_processed", "{:.0f}"),
         ("useful-token fraction", "useful_token_fraction", "{:.3f}"),
-        ("real-token fraction", "real_token_fraction", "{:.3f}"),
+        ("(prompt+completion) / processed", "real_token_fraction", "{:.3f}"),
         ("forward calls", "forward_calls", "{:.0f}"),
         ("packing check tokens (once)", "one_time_check_tokens", "{:.0f}"),
         ("peak memory (GiB)", "peak_memory_gib", "{:.2f}"),

@@ -346,7 +346,7 @@ def test_balanced_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_token
     runs = {}
     for balance in (False, True):
         args = make_args(tmp_path / str(balance), mini_batch_size=8, micro_batch_size=2, max_steps=2,
-                         balance_micro_batches=balance, max_turns=3)
+                         balance_micro_batches=balance, max_turns=3, share_prompt_prefix=False)  # padding alone
         trainer = MultiTurnGRPOTrainer(
             model=tiny_model_factory(), args=args, train_dataset=dataset(), environment_factory=VariableLengthEnv,
             reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
@@ -680,20 +680,21 @@ def _logps_and_grads(trainer, model, ids, mask, c_w, trl_path=False):
     return logps.detach(), grads, sum(seen)
 
 
-@pytest.mark.parametrize("checkpointing", [None, "non-reentrant"])
+@pytest.mark.parametrize("checkpointing", [None, "non-reentrant", "reentrant"])
 def test_shared_prompt_forward_gives_the_log_probs_and_gradients(tmp_path, smollm2_tokenizer, tiny_model_factory,
                                                                  checkpointing):
-    """share_prompt_prefix: each distinct prompt forwarded once, the members' completions on its keys/values. The
-    log-probs of every real completion token and the gradients of a loss on them equal TRL's row-per-sequence forward
-    (also under gradient checkpointing, whose replays must recompute the same tensors); the prompts go through the
-    model once."""
+    """share_prompt_prefix: the micro-batch as one row, each distinct prompt once followed by its rows' completions,
+    attention segment by segment. The log-probs of every real completion token and the gradients of a loss on them
+    equal TRL's row-per-sequence forward (also under gradient checkpointing, whose replays run during the backward
+    pass); each prompt goes through the model once and no padding does."""
     trainer = MultiTurnGRPOTrainer(
         model=tiny_model_factory(), args=make_args(tmp_path, pack_sequences=False), train_dataset=dataset(),
         environment_factory=FeedbackEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
     )
     model = trainer.model.train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.enable_input_require_grads()
     groups = [(9, [5, 12, 0, 3]), (4, [7, 1]), (6, [2])]  # prompts of different lengths, one unshared, one empty
     ids, mask, c_w = _group_batch(groups, smollm2_tokenizer.pad_token_id, seed=3)
     ours, g_ours, tokens = _logps_and_grads(trainer, model, ids, mask, c_w)
@@ -705,61 +706,56 @@ def test_shared_prompt_forward_gives_the_log_probs_and_gradients(tmp_path, smoll
     assert len(g_ours) == len(g_theirs) == len([p for p in model.parameters() if p.requires_grad])
     for a, b in zip(g_ours, g_theirs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    # shared: 3 prompts of <= 8 tokens (the last prompt token goes with the completion) + 7 rows of <= 13 tokens;
-    # compact rows without sharing: 7 x 21
-    assert tokens == 3 * 8 + 7 * 13 < 7 * 21
+    # one row: the prompts less their last token (8 + 3 + 5), then each row's last prompt token and completion
+    # (6 + 13 + 1 + 4 + 8 + 2 + 3); compact rows without sharing: 7 x 21
+    assert tokens == 16 + 37 < 7 * 21
 
 
-def test_shared_prompt_forward_falls_back_where_the_cache_is_not_kept(tmp_path, smollm2_tokenizer, tiny_model_factory,
-                                                                      caplog):
-    """Reentrant gradient checkpointing runs layers without gradients, so the shared prompt's keys could not carry
-    any: sharing is turned off with a warning and the log-probs and gradients are TRL's. The same for a model whose
-    layers ignore the cache (one-time check)."""
-    trainer = MultiTurnGRPOTrainer(
-        model=tiny_model_factory(), args=make_args(tmp_path, pack_sequences=False), train_dataset=dataset(),
-        environment_factory=FeedbackEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
-    )
-    model = trainer.model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    model.enable_input_require_grads()
+def test_shared_prompt_forward_falls_back_where_the_attention_is_not_shared(tmp_path, smollm2_tokenizer,
+                                                                            tiny_model_factory, caplog):
+    """A model whose attention does not run through transformers' AttentionInterface ('eager'), or whose layers do
+    not pass the plan on, fails the one-time check: sharing is off with a warning, the log-probs are TRL's."""
+    from trl import GRPOTrainer
+
     ids, mask, c_w = _group_batch([(9, [5, 12, 3]), (4, [7, 1])], smollm2_tokenizer.pad_token_id, seed=4)
-    with caplog.at_level("WARNING"):
-        ours, g_ours, _ = _logps_and_grads(trainer, model, ids, mask, c_w)
-    assert trainer._sharing_checked is False and "training without prompt sharing" in caplog.text
-    theirs, g_theirs, _ = _logps_and_grads(trainer, model, ids, mask, c_w, trl_path=True)
     real = mask[:, -c_w:].bool()
-    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
-    for a, b in zip(g_ours, g_theirs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-
-    trainer._sharing_checked = None
-    model.gradient_checkpointing_disable()
-    inner = model.forward
-    model.forward = lambda *args, cache=None, past_key_values=None, **kwargs: inner(*args, **kwargs)
-    caplog.clear()
-    with torch.no_grad(), caplog.at_level("WARNING"):
-        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
-    assert trainer._sharing_checked is False and "training without prompt sharing" in caplog.text
-    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+    for breakage in ("eager", "plan dropped"):
+        model = tiny_model_factory()
+        if breakage == "eager":
+            model.set_attn_implementation("eager")
+        trainer = MultiTurnGRPOTrainer(
+            model=model, args=make_args(tmp_path / breakage, pack_sequences=False), train_dataset=dataset(),
+            environment_factory=FeedbackEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+        )
+        model = trainer.model.train()
+        if breakage == "plan dropped":
+            inner = model.forward
+            model.forward = lambda *args, shared_prompt_plan=None, **kwargs: inner(*args, **kwargs)
+        caplog.clear()
+        with torch.no_grad(), caplog.at_level("WARNING"):
+            ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
+            theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, c_w)
+        assert trainer._sharing_checked is False and "training without prompt sharing" in caplog.text, breakage
+        torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
 
 
 def test_shared_budget_parts():
-    """Token budget with the shared-prompt forward: a part costs distinct prompts x (longest prompt - 1) + rows x
-    (longest completion + 1) when a prompt repeats in it; of the length-sorted and the group-sorted greedy cuts the
-    one with fewer micro-batches (then fewer tokens) is kept."""
+    """Token budget with the shared-prompt forward: a micro-batch that repeats a prompt costs each distinct prompt
+    once (less its last token) plus each row's completion and last prompt token, without padding; the fewest
+    micro-batches, then the fewest tokens."""
     from trl_multiturn.trainer import _shared_budget_parts, _shared_cost
 
     keys = [(1,) * 21] * 4 + [(2,) * 11] * 4
     p = [21] * 4 + [11] * 4
     c = [30, 9, 19, 29, 35, 5, 34, 4]
-    assert _shared_cost(keys, p, c, [0, 3]) == 20 + 2 * 31  # one prompt, two rows
+    assert _shared_cost(keys, p, c, [0, 3]) == 20 + 31 + 30
     assert _shared_cost(keys, p, c, [0, 4]) == 2 * 51  # no repeated prompt: rows x longest row
-    assert _shared_cost(keys, p, c, [0, 3, 4, 6]) == 2 * 20 + 4 * 36
-    # by length: [0, 3] 82, [4, 6] 82, [2, 1, 5, 7] 120 (3 parts); by group: 4 parts -> by length wins
-    assert _shared_budget_parts(keys, p, c, 130, 8) == [[0, 3], [4, 6], [1, 2, 5, 7]]
-    assert _shared_budget_parts(keys, p, c, 130, 2) is None  # needs 3 of 2 slots
-    assert _shared_budget_parts(keys, p, c, 10**6, 8) == [list(range(8))]
-    # two groups with interleaved lengths: by length 3 parts (143, 134, 110), by group 2 (124, 120)
+    assert _shared_cost(keys, p, c, [0, 3, 4, 6]) == 20 + 10 + 31 + 30 + 36 + 35
+    # each group fits (111 and 92 tokens), both together do not (203): two micro-batches, one per group
+    assert _shared_budget_parts(keys, p, c, 130, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _shared_budget_parts(keys, p, c, 130, 1) is None
+    assert _shared_budget_parts(keys, p, c, 203, 8) == [list(range(8))]
+    # interleaved lengths: cut by length, the micro-batches would mix the prompts and pay for both
     keys = [(1,) * 41] * 4 + [(2,) * 41] * 4
     p, c = [41] * 8, [20, 18, 16, 14, 19, 17, 15, 13]
     assert _shared_budget_parts(keys, p, c, 150, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -21,10 +21,10 @@ not finite are dropped from the loss and from their group's baseline.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -585,10 +585,11 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             if self._share_prefix(model, *chunk, logits_to_keep, ids, mask, labels):
                 try:
                     lp, ent = self._shared_prefix_forward(model, *chunk, logits_to_keep, compute_entropy)  # (b, C)
-                except _PrefixCacheDropped:
+                except _SharedAttentionUnused:
                     self._sharing_checked = False
-                    logger.warning("share_prompt_prefix: the model's layers dropped the prompt's KV cache (gradient "
-                                   "checkpointing?); training without prompt sharing.")
+                    logger.warning("share_prompt_prefix: the model's attention does not run through transformers' "
+                                   "AttentionInterface (e.g. attn_implementation='eager'; use 'sdpa'); training "
+                                   "without prompt sharing.")
                 else:
                     logps.append(lp.masked_fill(~valid, 0.0))
                     if compute_entropy:
@@ -652,8 +653,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if any(t != "full_attention" for t in layer_types):  # sliding-window / linear-attention layers
             return False
         prompt_width = input_ids.size(1) - completion_width
-        keys = _prompt_keys(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
-        if len(set(keys)) == len(keys) or min(len(k) for k in keys) < 2:
+        if not _shares_prompts(_prompt_keys(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])):
             return False
         if self._sharing_checked is None:
             self._in_packing_check = True  # lets profilers tell this one-time pass from training
@@ -665,7 +665,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                         plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
                     try:
                         shared, _ = self._shared_prefix_forward(model, input_ids, attention_mask, completion_width, False)
-                    except _PrefixCacheDropped:
+                    except _SharedAttentionUnused:
                         shared = None
             finally:
                 self._in_packing_check = False
@@ -677,75 +677,68 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             self._sharing_checked = err < (5e-2 if half else 1e-3)
             if not self._sharing_checked:
                 logger.warning(
-                    "share_prompt_prefix: log-probs with the prompt forwarded once per group differ from the plain "
-                    "forward by %.2e (mean) on this model (its KV cache cannot be shared this way); training without "
-                    "prompt sharing.", err,
+                    "share_prompt_prefix: log-probs with each prompt computed once differ from the plain forward by "
+                    "%.2e (mean) on this model (its attention has more than a causal mask: sliding window, soft-capping, "
+                    "sinks, ...); training without prompt sharing.", err,
                 )
         return self._sharing_checked
 
     def _shared_prefix_forward(self, model, input_ids, attention_mask, completion_width, compute_entropy):
-        """Log-probs (and entropies) of the completion columns, (b, C), with each distinct prompt forwarded once.
+        """Log-probs (and entropies) of the completion columns, (b, C), with each distinct prompt computed once.
 
-        Rows of a GRPO group share their prompt. The prompt without its last token is forwarded once per distinct
-        prompt (right-padded), keeping its keys and values; they are indexed out to the rows (a differentiable
-        gather: every row's gradient reaches the shared prompt activations) and each row forwards ``[last prompt
-        token, completion]`` attending to them, its position ids continuing the prompt's. Every real token sees the
-        tokens it sees in the row-per-sequence forward, at the same positions, so log-probs and gradients are the
-        same up to float error, and the prompt's share of the compute is divided by the rows sharing it. Padding
-        slots of shorter prompts sit between prompt and suffix and are masked out. The caches store nothing twice,
-        so a gradient-checkpointing replay recomputes the same tensors (non-reentrant checkpointing; with reentrant
-        checkpointing the prompt's keys carry no gradient and :class:`_PrefixCacheDropped` is raised).
+        The micro-batch becomes one row without padding: for each distinct prompt, the prompt less its last token,
+        then the suffixes ``[last prompt token, completion]`` of the rows that share it (the members of a GRPO
+        group). Position ids continue each suffix from its prompt, and the attention (:func:`_shared_prompt_attention`,
+        used for this forward only) lets a prompt attend to itself causally and a suffix to its prompt and to itself
+        causally, computed segment by segment. Every real token sees the tokens it sees in the row-per-sequence
+        forward, at the same positions, so log-probs and gradients are the same up to float error; a prompt's
+        compute is divided by the rows sharing it and no padding is computed. Gradient checkpointing replays the
+        same function. Raises :class:`_SharedAttentionUnused` if the model's layers did not call the attention.
         """
-        from transformers import DynamicCache
-
-        record_layer, read_only_layer = _prefix_cache_layers()
+        device = input_ids.device
         prompt_width = input_ids.size(1) - completion_width
         prompt_mask = attention_mask[:, :prompt_width]  # (b, P) left-padded
-        completion_mask = attention_mask[:, prompt_width:]  # (b, C) right-padded
+        completion_len = attention_mask[:, prompt_width:].sum(1).tolist()  # (b,)
         keys = _prompt_keys(input_ids[:, :prompt_width], prompt_mask)
-        distinct: dict[tuple, int] = {}
-        device = input_ids.device
-        owner = torch.tensor([distinct.setdefault(k, len(distinct)) for k in keys], device=device)  # (b,)
-        prefix_width = max(len(k) for k in distinct) - 1
-        prefix_ids = torch.zeros(len(distinct), prefix_width, dtype=input_ids.dtype, device=device)  # (U, Pw)
-        prefix_mask = torch.zeros_like(prefix_ids)
-        for u, key in enumerate(distinct):
-            prefix_ids[u, : len(key) - 1] = torch.tensor(key[:-1], dtype=input_ids.dtype)
-            prefix_mask[u, : len(key) - 1] = 1
-        suffix_width = int(completion_mask.sum(1).max()) + 1
-        suffix_ids = torch.cat([input_ids[:, prompt_width - 1 : prompt_width], input_ids[:, prompt_width:]], dim=1)
-        suffix_mask = torch.cat([torch.ones_like(completion_mask[:, :1]), completion_mask], dim=1)
-        suffix_ids, suffix_mask = suffix_ids[:, :suffix_width], suffix_mask[:, :suffix_width]  # (b, S)
-        suffix_ids = suffix_ids.masked_fill(suffix_mask == 0, 0)
-        labels = suffix_ids.masked_fill(suffix_mask == 0, -100)
-        labels[:, 0] = -100  # the last prompt token is context, not scored
-        positions = prompt_mask.sum(1, keepdim=True) - 1 + torch.arange(suffix_width, device=device)  # (b, S)
-        cache_arg = _cache_argument(model)
-        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
-        record = DynamicCache()
-        record.layer_class_to_replicate = record_layer
-        with self.accelerator.autocast(), _cache_through_checkpointing(model):
-            model(input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True, logits_to_keep=1,
-                  **{cache_arg: record})
-            if not record.layers or any(
-                not isinstance(layer, record_layer) or layer.get_seq_length() != prefix_width
-                or (needs_grad and not layer.keys.requires_grad)
-                for layer in record.layers
-            ):
-                raise _PrefixCacheDropped
-            shared = DynamicCache()
-            shared.layer_class_to_replicate = None
-            shared.layers = [read_only_layer(layer.keys[owner], layer.values[owner]) for layer in record.layers]
-            out = model(
-                input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[owner], suffix_mask], dim=1),
-                position_ids=positions, labels=labels, fused_lm_head=True, **{cache_arg: shared},
-            )
-        if any(layer.reads == 0 for layer in shared.layers):
-            raise _PrefixCacheDropped
-        # column j of the (b, S-1) output scores suffix token j+1 = completion token j
-        pad = completion_width - (suffix_width - 1)
-        lp = torch.nn.functional.pad(out.log_probs, (0, pad))
-        ent = torch.nn.functional.pad(out.entropy, (0, pad)) if compute_entropy else None
+        members: dict[tuple, list[int]] = defaultdict(list)
+        for i, key in enumerate(keys):
+            members[key].append(i)
+        pieces, positions, labels, segments, start = [], [], [], [], [0] * len(keys)
+        offset = 0
+        for key, rows in members.items():
+            prefix = torch.tensor(key[:-1], dtype=input_ids.dtype, device=device)
+            n = len(prefix)
+            pieces.append(prefix)
+            positions.append(torch.arange(n, device=device))
+            labels.append(torch.full((n,), -100, dtype=input_ids.dtype, device=device))
+            segments.append((offset, offset + n, offset, offset))  # (query start, end, prefix start, end)
+            prefix_span, offset = (offset, offset + n), offset + n
+            for i in rows:
+                m = completion_len[i] + 1
+                suffix = input_ids[i, prompt_width - 1 : prompt_width + m - 1]
+                pieces.append(suffix)
+                positions.append(n + torch.arange(m, device=device))
+                labels.append(torch.cat([suffix.new_full((1,), -100), suffix[1:]]))  # the prompt token is context
+                segments.append((offset, offset + m, *prefix_span))
+                start[i], offset = offset, offset + m
+        row = torch.cat(pieces).unsqueeze(0)  # (1, L)
+        plan = _SharedPromptPlan(segments)
+        base = _unwrap(self.accelerator.unwrap_model(model))
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        _install_shared_prompt_attention(base.config.get_text_config()._attn_implementation)
+        # a 4-D mask is taken as prepared by transformers' mask functions (no (L, L) mask is built); the attention
+        # ignores it and uses the plan
+        no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+        with self.accelerator.autocast():
+            out = model(input_ids=row, attention_mask=no_mask, position_ids=torch.cat(positions).unsqueeze(0),
+                        labels=torch.cat(labels).unsqueeze(0), fused_lm_head=True, shared_prompt_plan=plan)
+        if plan.calls == 0:
+            raise _SharedAttentionUnused
+        # output column t scores row token t+1: completion token j of row i is scored at column start[i] + j
+        cols = torch.tensor(start, device=device).unsqueeze(1) + torch.arange(completion_width, device=device)
+        cols = cols.clamp(max=row.size(1) - 2)  # beyond a completion: masked by the caller
+        lp = out.log_probs[0][cols]  # (b, C)
+        ent = out.entropy[0][cols] if compute_entropy else None
         return lp, ent
 
     def _packing_ok(self, model, ids, mask, labels) -> bool:
@@ -936,8 +929,67 @@ def _compact_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, complet
     return ids, new_mask, index, valid, is_completion
 
 
-class _PrefixCacheDropped(RuntimeError):
-    """The model's layers did not extend the shared prompt's KV cache (e.g. gradient checkpointing drops it)."""
+class _SharedAttentionUnused(RuntimeError):
+    """The model's layers did not run the shared-prompt attention (their attention does not go through transformers'
+    attention interface)."""
+
+
+@dataclass
+class _SharedPromptPlan:
+    """The segments of a shared-prompt row: ``(query start, query end, prefix start, prefix end)``, in order and
+    covering the row; a segment attends to the prefix span and to itself causally."""
+
+    segments: list[tuple[int, int, int, int]]
+    calls: int = 0
+
+
+def _shared_prompt_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                             shared_prompt_plan: _SharedPromptPlan | None = None, **kwargs):
+    """Attention of a shared-prompt row (see :meth:`MultiTurnGRPOTrainer._shared_prefix_forward`), one SDPA call per
+    segment: query ``(1, H, L, D)``, key/value ``(1, H_kv, L, D)``; returns ``((1, L, H, D), None)`` as transformers'
+    attention functions do."""
+    if shared_prompt_plan is None:
+        raise RuntimeError("the shared-prompt attention needs the shared_prompt_plan of its forward")
+    shared_prompt_plan.calls += 1
+    repeat = query.size(1) // key.size(1)
+    outputs = []
+    for q_start, q_end, p_start, p_end in shared_prompt_plan.segments:
+        q = query[:, :, q_start:q_end]
+        k = torch.cat([key[:, :, p_start:p_end], key[:, :, q_start:q_end]], dim=2)
+        v = torch.cat([value[:, :, p_start:p_end], value[:, :, q_start:q_end]], dim=2)
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if p_end == p_start:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)
+        else:  # causal, aligned to the end: query i sees the prefix and suffix keys up to its own position
+            lq, lk = q.size(2), k.size(2)
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        outputs.append(o)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _install_shared_prompt_attention(implementation: str | None) -> None:
+    """Wrap the model's attention function (transformers' ``AttentionInterface`` entry for ``implementation``) so that
+    a forward called with ``shared_prompt_plan=`` runs :func:`_shared_prompt_attention`; every other call goes to the
+    original function unchanged. Wrapping the entry (instead of switching the model's implementation for one forward)
+    keeps gradient-checkpointing replays, which run during the backward pass, on the same function. Idempotent."""
+    from transformers import AttentionInterface
+
+    original = AttentionInterface._global_mapping.get(implementation or "eager")
+    if original is None:  # "eager" is each model's own function, not an entry that can be wrapped
+        raise _SharedAttentionUnused
+    if getattr(original, "_shared_prompt_wrapper", False):
+        return
+
+    def attention(module, query, key, value, attention_mask, *args, shared_prompt_plan=None, **kwargs):
+        if shared_prompt_plan is not None:
+            return _shared_prompt_attention(module, query, key, value, attention_mask, *args,
+                                            shared_prompt_plan=shared_prompt_plan, **kwargs)
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention._shared_prompt_wrapper = True
+    AttentionInterface.register(implementation, attention)
 
 
 def _prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[int, ...]]:
@@ -949,67 +1001,6 @@ def _unwrap(model):
     while hasattr(model, "module"):  # DDP / DeepSpeed wrappers
         model = model.module
     return model
-
-
-_PREFIX_CACHE_LAYERS: tuple | None = None
-
-
-def _prefix_cache_layers():
-    """Two cache layers for :meth:`MultiTurnGRPOTrainer._shared_prefix_forward` that store nothing twice, so a
-    gradient-checkpointing replay of a layer gets the tensors of its first run: one keeps the key/value states of
-    the single prompt forward (overwriting), one returns the shared prompt's states followed by the new ones without
-    storing them."""
-    global _PREFIX_CACHE_LAYERS
-    if _PREFIX_CACHE_LAYERS is None:
-        from transformers.cache_utils import DynamicLayer
-
-        class RecordLayer(DynamicLayer):
-            def update(self, key_states, value_states, *args, **kwargs):
-                self.is_initialized, self.device = True, key_states.device
-                self.keys, self.values = key_states, value_states
-                return key_states, value_states
-
-        class ReadOnlyLayer(DynamicLayer):
-            def __init__(self, keys, values):
-                super().__init__()
-                self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
-                self.reads = 0
-
-            def update(self, key_states, value_states, *args, **kwargs):
-                self.reads += 1
-                return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-
-        _PREFIX_CACHE_LAYERS = (RecordLayer, ReadOnlyLayer)
-    return _PREFIX_CACHE_LAYERS
-
-
-@contextlib.contextmanager
-def _cache_through_checkpointing(model):
-    """Let gradient-checkpointed decoder layers keep the cache they are given (transformers drops it because its own
-    caches grow on a replay; the caches of the shared-prompt forward do not)."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # pragma: no cover - older transformers: layers keep their own rule
-        yield
-        return
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-    for m in layers:
-        m._can_checkpoint_with_cache = True
-    try:
-        yield
-    finally:
-        for m in layers:
-            del m._can_checkpoint_with_cache
-
-
-def _cache_argument(model) -> str:
-    """The name the model's forward takes its KV cache under (``cache`` from transformers 5.x, earlier
-    ``past_key_values``)."""
-    import inspect
-
-    model = _unwrap(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
 
 
 def _varlen_attention(model) -> bool:
@@ -1038,21 +1029,27 @@ def _chunk_tokens(chunk: dict, compact: bool, pack: bool = False, share: bool = 
         return 0, 0
     if share and not chunk.get("empty_micro_batch"):
         keys = _prompt_keys(chunk["prompt_ids"], chunk["prompt_mask"])
-        if len(set(keys)) < len(keys) and min(len(k) for k in keys) >= 2:
+        if _shares_prompts(keys):
             cost = _shared_cost(keys, prompt_len.tolist(), completion_len.tolist(), range(len(keys)))
-            return cost, sum(len(k) - 1 for k in set(keys)) + int(completion_len.sum()) + len(keys)
+            return cost, cost  # one row, no padding
     rows = len(first_fit_decreasing(lengths, max(lengths))) if pack else len(lengths)
     return int(max(lengths)) * rows, real
 
 
+def _shares_prompts(keys: list) -> bool:
+    """Whether a micro-batch with these prompts goes through the shared-prompt forward."""
+    return len(set(keys)) < len(keys) and min(len(k) for k in keys) >= 2
+
+
 def _shared_cost(keys: list, prompt_len: list[int], completion_len: list[int], part) -> int:
-    """Padded size of the forward of rows ``part``: each distinct prompt once (less its last token) plus each row's
-    ``[last prompt token, completion]``, when a prompt repeats; rows x longest row otherwise."""
+    """Tokens the training forward of rows ``part`` computes. When a prompt repeats in it (shared-prompt forward,
+    one row without padding): each distinct prompt once, less its last token, plus each row's ``[last prompt token,
+    completion]``; otherwise rows x longest row."""
     part = list(part)
-    distinct = {keys[i] for i in part}
-    if len(distinct) == len(part) or min(len(k) for k in distinct) < 2:
+    if not _shares_prompts([keys[i] for i in part]):
         return len(part) * max(prompt_len[i] + completion_len[i] for i in part)
-    return len(distinct) * (max(prompt_len[i] for i in part) - 1) + len(part) * (max(completion_len[i] for i in part) + 1)
+    distinct = {keys[i]: prompt_len[i] - 1 for i in part}
+    return sum(distinct.values()) + sum(completion_len[i] + 1 for i in part)
 
 
 def _rows(value, index: list[int]):
@@ -1095,46 +1092,81 @@ def _empty_micro_batch(batch: dict, row: int, n: int) -> dict:
 
 
 def _token_budget_parts(lengths: list[int], budget: int, slots: int) -> list[list[int]] | None:
-    """Rows sorted by length (longest first) and cut greedily into the fewest consecutive micro-batches whose padded
-    size (rows x longest row) fits ``budget`` (a row longer than the budget goes alone), or None when that takes
-    more than ``slots`` micro-batches. Similar lengths share a micro-batch, so little is padding; greedy is optimal
-    for consecutive cuts of a sorted list. Returns row indices per part, each sorted."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    parts: list[list[int]] = []
-    for i in order:
-        if parts and lengths[parts[-1][0]] * (len(parts[-1]) + 1) <= budget:
-            parts[-1].append(i)  # the part's first row is its longest
-        else:
-            parts.append([i])
-    return [sorted(p) for p in parts] if len(parts) <= slots else None
+    """Rows sorted by length (longest first) and cut into the fewest consecutive micro-batches whose padded size
+    (rows x longest row) fits ``budget`` (a row longer than the budget goes alone), and among those the one with the
+    fewest tokens processed; similar lengths share a micro-batch, so little is padding. None when that takes more
+    than ``slots`` micro-batches. Returns row indices per part, each sorted."""
+    n = len(lengths)
+    return _shared_budget_parts([(i,) for i in range(n)], [1] * n, [x - 1 for x in lengths], budget, slots)
 
 
 def _shared_budget_parts(keys: list, prompt_len: list[int], completion_len: list[int], budget: int,
                          slots: int) -> list[list[int]] | None:
-    """:func:`_token_budget_parts` for the shared-prompt forward: the padded size of a part is
-    :func:`_shared_cost`. Two orders are cut greedily and the better plan kept (fewer micro-batches, then fewer tokens):
-    rows by length (as without sharing) and rows of a prompt together, longest completion first, prompts ordered by
-    their longest row (members of a group then share their prompt's forward). None when more than ``slots``."""
+    """:func:`_token_budget_parts` where a micro-batch that repeats a prompt costs what the shared-prompt forward
+    computes (:func:`_shared_cost`: each distinct prompt once, no padding). Rows are laid out in three orders (by
+    length; by completion length; a prompt's rows together, longest completion first), each cut into the fewest
+    consecutive parts within the budget with the fewest tokens among those (dynamic programming), and the best plan
+    kept. None when it needs more than ``slots`` parts."""
     n = len(keys)
     by_prompt: dict[tuple, list[int]] = defaultdict(list)
     for i in range(n):
         by_prompt[keys[i]].append(i)
     groups = sorted(by_prompt.values(), key=lambda rows: (-max(prompt_len[i] + completion_len[i] for i in rows), rows[0]))
-    orders = [
-        sorted(range(n), key=lambda i: (-(prompt_len[i] + completion_len[i]), i)),
-        [i for rows in groups for i in sorted(rows, key=lambda i: (-completion_len[i], i))],
-    ]
+    orders = [sorted(range(n), key=lambda i: (-(prompt_len[i] + completion_len[i]), i))]
+    if len(groups) < n:
+        orders += [
+            sorted(range(n), key=lambda i: (-completion_len[i], i)),
+            [i for rows in groups for i in sorted(rows, key=lambda i: (-completion_len[i], i))],
+        ]
     plans = []
     for order in orders:
-        parts: list[list[int]] = []
-        for i in order:
-            if parts and _shared_cost(keys, prompt_len, completion_len, parts[-1] + [i]) <= budget:
-                parts[-1].append(i)
-            else:
-                parts.append([i])
-        plans.append((len(parts), sum(_shared_cost(keys, prompt_len, completion_len, p) for p in parts), parts))
+        for parts in (_cheapest_cut(order, keys, prompt_len, completion_len, budget),
+                      _greedy_cut(order, keys, prompt_len, completion_len, budget)):
+            plans.append((len(parts), sum(_shared_cost(keys, prompt_len, completion_len, p) for p in parts), parts))
     count, _, parts = min(plans, key=lambda plan: plan[:2])
     return [sorted(p) for p in parts] if count <= slots else None
+
+
+def _greedy_cut(order, keys, prompt_len, completion_len, budget) -> list[list[int]]:
+    """Consecutive parts of ``order``, each as long as the budget allows (fewest parts for a length-sorted order)."""
+    parts: list[list[int]] = []
+    for i in order:
+        if parts and _shared_cost(keys, prompt_len, completion_len, parts[-1] + [i]) <= budget:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return parts
+
+
+#: the most rows a micro-batch gets from the cheapest-cut search (bounds its O(n * rows^2) cost; the greedy cut,
+#: also a candidate, has no bound)
+_MAX_SEARCH_ROWS = 64
+
+
+def _cheapest_cut(order, keys, prompt_len, completion_len, budget) -> list[list[int]]:
+    """Consecutive parts of ``order`` within ``budget`` (a row alone may exceed it): the fewest parts, and among them
+    the fewest tokens processed, ``best[j] = min_i best[i] + (1, cost(order[i:j]))``. A part stops growing once its
+    completion tokens (a lower bound of its cost) exceed the budget."""
+    n = len(order)
+    best = [(0, 0)] + [(math.inf, math.inf)] * n
+    start = [0] * (n + 1)
+    for i in range(n):
+        floor = 0
+        for j in range(i, min(n, i + _MAX_SEARCH_ROWS)):
+            floor += completion_len[order[j]] + 1
+            if j > i and floor > budget:
+                break
+            cost = _shared_cost(keys, prompt_len, completion_len, order[i : j + 1])
+            if j > i and cost > budget:
+                continue
+            candidate = (best[i][0] + 1, best[i][1] + cost)
+            if candidate < best[j + 1]:
+                best[j + 1], start[j + 1] = candidate, i
+    parts, j = [], n
+    while j > 0:
+        parts.append(list(order[start[j] : j]))
+        j = start[j]
+    return parts[::-1]
 
 
 def _balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int | None = None,
