@@ -527,3 +527,23 @@ def test_bad_settings_are_named(tmp_path, tool_tok, tiny_model_factory):
     empty.add_observation([3])
     with pytest.raises(ValueError, match="trajectory 1 has no assistant token"):
         sft_dataset([trajectories[0], empty])
+
+
+def test_trl_sft_private_seams_are_still_there(tmp_path, tool_tok, tiny_model_factory):
+    """The SFTTrainer state MultiTurnSFTTrainer's loss reads and writes (metrics, token count, tensor-parallel size,
+    the cases it leaves to TRL): if TRL renames or reshapes it, this fails before users do."""
+    import inspect
+
+    from trl import SFTTrainer
+
+    from trl_multiturn.sft import MultiTurnSFTTrainer
+
+    assert list(inspect.signature(SFTTrainer.compute_loss).parameters) == [
+        "self", "model", "inputs", "return_outputs", "num_items_in_batch"]
+    trainer = MultiTurnSFTTrainer(model=tiny_model_factory(seed=4), args=sft_args(tmp_path),
+                                  train_dataset=sft_dataset(three_trajectories(tool_tok)), processing_class=tool_tok)
+    assert set(trainer._metrics) >= {"train", "eval"} and isinstance(trainer._metrics["train"], dict)
+    assert isinstance(trainer._total_train_tokens, int) and isinstance(trainer._tp_size, int)
+    assert trainer.aux_loss_enabled is False and trainer.label_smoother is None and trainer.compute_loss_func is None
+    assert trainer._accepts_logits_to_keep(trainer.model)
+    assert trainer._compact_head_applies(trainer.model, {"labels": torch.zeros(1, 2, dtype=torch.long)}, False)

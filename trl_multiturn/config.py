@@ -135,8 +135,10 @@ class MultiTurnGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Token-budget micro-batches (VeRL's use_dynamic_bsz with ppo_max_token_len_per_gpu): cut each "
-            "mini-batch, sorted by length, into the fewest micro-batches whose padded size (trajectories x longest "
-            "prompt + completion, per device) fits this budget (one longer than the budget goes alone). The "
+            "mini-batch into the fewest micro-batches whose size fits this budget (tokens per device per forward; "
+            "a trajectory longer than the budget goes alone), and among those the fewest tokens. The size of a "
+            "micro-batch is trajectories x longest prompt + completion, or, where share_prompt_prefix applies, its "
+            "tokens without padding with each distinct prompt counted once. The "
             "accumulation slots of an optimizer step stay fixed (mini_batch_size / micro_batch_size per device; "
             "micro_batch_size defaults to 1 here, so there is a slot per trajectory) and the unused ones run an "
             "empty 2-token micro-batch. Short rollouts then take few, full forwards; the loss is unchanged "
@@ -167,12 +169,14 @@ class MultiTurnGRPOConfig(GRPOConfig):
     share_prompt_prefix: bool = field(
         default=True,
         metadata={
-            "help": "With compact_padding: in a training forward whose rows repeat a prompt (the members of a GRPO "
-            "group), forward each distinct prompt once and the rows' completions on top of its KV cache (indexed "
-            "out to the rows; gradients flow back into the shared prompt). Same log-probs and gradients up to "
-            "float error; the prompt's compute is divided by the group members sharing a micro-batch. With "
-            "max_tokens_per_micro_batch the members of a group are kept together. Checked once per run against "
-            "the plain forward; off under gradient checkpointing (the layers drop the cache)."
+            "help": "With compact_padding: a training forward whose trajectories repeat a prompt (the members of a "
+            "GRPO group) runs as one row without padding, each distinct prompt once followed by the completions "
+            "that continue it; attention is computed segment by segment (a completion sees its prompt and itself) "
+            "through transformers' AttentionInterface (sdpa, flash or flex attention, not 'eager'). Same log-probs "
+            "and gradients up to float error, also under gradient checkpointing; a prompt's compute is divided by "
+            "the trajectories sharing it. With max_tokens_per_micro_batch, a micro-batch's size is counted this way "
+            "and the members of a group are kept together. Checked once per run against the plain forward; turned "
+            "off with a warning where the model's attention has more than a causal mask."
         },
     )
 
