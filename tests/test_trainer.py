@@ -759,3 +759,19 @@ def test_shared_budget_parts():
     keys = [(1,) * 41] * 4 + [(2,) * 41] * 4
     p, c = [41] * 8, [20, 18, 16, 14, 19, 17, 15, 13]
     assert _shared_budget_parts(keys, p, c, 150, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_fixed_micro_batches_keep_groups_together_for_the_shared_prompt():
+    """Without a budget, the balanced dealing by length mixes groups; with share_prompt_prefix the micro-batches are
+    whole groups when that computes fewer tokens (each group's prompt once, no padding)."""
+    from trl_multiturn.trainer import _balanced_micro_batches, _chunk_tokens
+
+    ids, mask, c_w = _group_batch([(30, [20, 3, 19, 2]), (30, [21, 4, 18, 1])], pad_id=0, seed=5)
+    batch = {"prompt_ids": ids[:, :-c_w], "prompt_mask": mask[:, :-c_w], "completion_ids": ids[:, -c_w:],
+             "completion_mask": mask[:, -c_w:], "tool_mask": mask[:, -c_w:].clone(), "advantages": torch.zeros(8)}
+    plans = {share: _balanced_micro_batches(batch, 2, 2, share_prefix=share) for share in (False, True)}
+    prompts = lambda chunk: {tuple(r.tolist()) for r in chunk["prompt_ids"]}  # noqa: E731
+    assert all(len(prompts(c)) == 2 for c in plans[False])  # dealt by length: both groups in each
+    assert all(len(prompts(c)) == 1 and len(c["prompt_ids"]) == 4 for c in plans[True])
+    tokens = {share: sum(_chunk_tokens(c, True, False, True)[0] for c in plan) for share, plan in plans.items()}
+    assert tokens[True] == 2 * 29 + sum(c + 1 for c in [20, 3, 19, 2, 21, 4, 18, 1]) < tokens[False]

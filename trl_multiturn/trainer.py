@@ -501,10 +501,10 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             )
 
     def _sharing_planned(self, batch: dict) -> bool:
-        """Whether the micro-batches can be cut for the shared-prompt forward (token budget): sharing is on and, the
-        first time, the one-time check passes on the rollout's first repeated prompt (so a budget is never planned for
-        a forward that does not happen)."""
-        if not (self.args.share_prompt_prefix and self.args.compact_padding and self.args.max_tokens_per_micro_batch):
+        """Whether the micro-batches can be cut for the shared-prompt forward: sharing is on and, the first time, the
+        one-time check passes on the rollout's first repeated prompt (so a budget is never planned for a forward that
+        does not happen)."""
+        if not (self.args.share_prompt_prefix and self.args.compact_padding):
             return False
         if self._sharing_checked is None:
             keys = _prompt_keys(batch["prompt_ids"], batch["prompt_mask"])
@@ -1174,6 +1174,9 @@ def _balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int
     """Cut the rollout into ``steps`` micro-batches: consecutive mini-batches of equal size (whole groups kept by the
     shuffle), each dealt into ``accum`` micro-batches of balanced token counts and trimmed to their own padding.
 
+    With ``share_prefix`` and no budget, equal consecutive slices (whole groups) replace the balanced dealing when
+    the shared-prompt forward computes fewer tokens for them.
+
     With ``max_tokens`` (token-budget micro-batches, VeRL's ``use_dynamic_bsz``), each mini-batch is cut into the
     fewest length-sorted micro-batches whose padded size fits the budget (with ``share_prefix``, sized for the
     shared-prompt forward: :func:`_shared_budget_parts`); the remaining of its ``accum`` accumulation slots get an
@@ -1202,6 +1205,16 @@ def _balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int
         over_budget = bool(max_tokens) and parts is None
         if parts is None:
             parts = balanced_partition(lengths, accum)
+            if share_prefix and not max_tokens:
+                # groups are contiguous (shuffled whole): equal consecutive slices keep a group's rows together, and
+                # the shared-prompt forward computes their prompt once and no padding; keep the cheaper plan
+                keys = _prompt_keys(batch["prompt_ids"][start : start + per_mini], batch["prompt_mask"][start : start + per_mini])
+                p_len, c_len = [int(prompt_len[r]) for r in rows], [int(completion_len[r]) for r in rows]
+                size = per_mini // accum
+                slices = [list(range(k * size, (k + 1) * size)) for k in range(accum)] if per_mini % accum == 0 else None
+                cost = lambda plan: sum(_shared_cost(keys, p_len, c_len, part) for part in plan if part)  # noqa: E731
+                if slices is not None and cost(slices) < cost(parts):
+                    parts = slices
         for part in parts:
             index = [rows[i] for i in part]
             p_w = int(prompt_len[index].max())
