@@ -644,9 +644,9 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def _share_prefix(self, model, input_ids, attention_mask, completion_width, ids, mask, labels) -> bool:
         """Whether this micro-batch's rows go through :meth:`_shared_prefix_forward`: ``share_prompt_prefix`` is on,
-        a prompt repeats in it (GRPO group members), the model is not gradient-checkpointed (its layers drop a KV
-        cache then) and the one-time check passed. The check, the first time, scores the micro-batch both ways (no
-        gradient, dropout off); sharing stays off, with a warning, if the log-probs differ."""
+        a prompt repeats in it (GRPO group members), every layer has full causal attention and the one-time check
+        passed. The check, the first time, scores the micro-batch both ways (no gradient, dropout off); sharing stays
+        off, with a warning, if the log-probs differ."""
         if not self.args.share_prompt_prefix or self._sharing_checked is False:
             return False
         layer_types = getattr(self.accelerator.unwrap_model(model).config.get_text_config(), "layer_types", None) or []
@@ -689,8 +689,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         The micro-batch becomes one row without padding: for each distinct prompt, the prompt less its last token,
         then the suffixes ``[last prompt token, completion]`` of the rows that share it (the members of a GRPO
         group). Position ids continue each suffix from its prompt, and the attention (:func:`_shared_prompt_attention`,
-        used for this forward only) lets a prompt attend to itself causally and a suffix to its prompt and to itself
-        causally, computed segment by segment. Every real token sees the tokens it sees in the row-per-sequence
+        which the model's attention entry hands this forward to: :func:`_install_shared_prompt_attention`) lets a
+        prompt attend to itself causally and a suffix to its prompt and to itself causally, segment by segment. Every real token sees the tokens it sees in the row-per-sequence
         forward, at the same positions, so log-probs and gradients are the same up to float error; a prompt's
         compute is divided by the rows sharing it and no padding is computed. Gradient checkpointing replays the
         same function. Raises :class:`_SharedAttentionUnused` if the model's layers did not call the attention.
