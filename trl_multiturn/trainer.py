@@ -508,17 +508,15 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             return False
         if self._sharing_checked is None:
             keys = _prompt_keys(batch["prompt_ids"], batch["prompt_mask"])
-            rows = [i for i, k in enumerate(keys) if keys.count(k) > 1]
-            rows = [i for i in rows if keys[i] == keys[rows[0]]][:4] if rows else []
+            repeated = next((k for k, n in Counter(keys).items() if n > 1), None)
+            rows = [i for i, k in enumerate(keys) if k == repeated][:4]
             if len(rows) > 1:
                 index = torch.tensor(rows, device=batch["prompt_ids"].device)
                 input_ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], dim=1)
                 attention_mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], dim=1)
                 width = batch["completion_ids"].size(1)
                 if _prompt_completion_contiguous(attention_mask, width):
-                    ids, mask, _, _, is_completion = _compact_rows(input_ids, attention_mask, width)
-                    labels = ids.masked_fill(~is_completion, -100)
-                    self._share_prefix(self.model, input_ids, attention_mask, width, ids, mask, labels)
+                    self._share_prefix(self.model, input_ids, attention_mask, width, [keys[i] for i in rows])
         return self._sharing_checked is not False
 
     def _log_padding(self, chunks: list[dict]) -> None:
@@ -575,6 +573,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
             )
         batch_size = batch_size or input_ids.size(0)
+        sharing = self.args.share_prompt_prefix and self._sharing_checked is not False and logits_to_keep > 0
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask, index, valid, is_completion = _compact_rows(
@@ -582,9 +581,10 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             )  # (b, W) x2, (b, C) compact column of each completion column, (b, C) real-token flag, (b, W)
             labels = ids.masked_fill(~is_completion, -100)  # only real completion tokens are scored
             chunk = (input_ids[start : start + batch_size], attention_mask[start : start + batch_size])
-            if self._share_prefix(model, *chunk, logits_to_keep, ids, mask, labels):
+            keys = _prompt_keys(chunk[0][:, : -logits_to_keep], chunk[1][:, : -logits_to_keep]) if sharing else None
+            if sharing and self._share_prefix(model, *chunk, logits_to_keep, keys):
                 try:
-                    lp, ent = self._shared_prefix_forward(model, *chunk, logits_to_keep, compute_entropy)  # (b, C)
+                    lp, ent = self._shared_prefix_forward(model, *chunk, logits_to_keep, compute_entropy, keys)  # (b, C)
                 except _SharedAttentionUnused:
                     self._sharing_checked = False
                     logger.warning("share_prompt_prefix: the model's attention does not run through transformers' "
@@ -642,7 +642,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         take = lambda t: t[rows.unsqueeze(1), cols]  # noqa: E731
         return take(out.log_probs), (take(out.entropy) if compute_entropy else None)
 
-    def _share_prefix(self, model, input_ids, attention_mask, completion_width, ids, mask, labels) -> bool:
+    def _share_prefix(self, model, input_ids, attention_mask, completion_width, keys: list[tuple]) -> bool:
         """Whether this micro-batch's rows go through :meth:`_shared_prefix_forward`: ``share_prompt_prefix`` is on,
         a prompt repeats in it (GRPO group members), every layer has full causal attention and the one-time check
         passed. The check, the first time, scores the micro-batch both ways (no gradient, dropout off); sharing stays
@@ -652,10 +652,11 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         layer_types = getattr(self.accelerator.unwrap_model(model).config.get_text_config(), "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):  # sliding-window / linear-attention layers
             return False
-        prompt_width = input_ids.size(1) - completion_width
-        if not _shares_prompts(_prompt_keys(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])):
+        if not _shares_prompts(keys):
             return False
         if self._sharing_checked is None:
+            ids, mask, index, valid, is_completion = _compact_rows(input_ids, attention_mask, completion_width)
+            labels = ids.masked_fill(~is_completion, -100)
             self._in_packing_check = True  # lets profilers tell this one-time pass from training
             was_training = model.training
             model.eval()
@@ -664,13 +665,14 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                     with self.accelerator.autocast():
                         plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
                     try:
-                        shared, _ = self._shared_prefix_forward(model, input_ids, attention_mask, completion_width, False)
+                        shared, _ = self._shared_prefix_forward(
+                            model, input_ids, attention_mask, completion_width, False, keys
+                        )
                     except _SharedAttentionUnused:
                         shared = None
             finally:
                 self._in_packing_check = False
                 model.train(was_training)
-            _, _, index, valid, _ = _compact_rows(input_ids, attention_mask, completion_width)
             plain = plain.gather(1, (index - 1).clamp(min=0))  # (b, C), as the compact path reads it
             err = float("inf") if shared is None else float((plain - shared)[valid].abs().mean())
             half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
@@ -683,7 +685,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 )
         return self._sharing_checked
 
-    def _shared_prefix_forward(self, model, input_ids, attention_mask, completion_width, compute_entropy):
+    def _shared_prefix_forward(self, model, input_ids, attention_mask, completion_width, compute_entropy,
+                               keys: list[tuple] | None = None):
         """Log-probs (and entropies) of the completion columns, (b, C), with each distinct prompt computed once.
 
         The micro-batch becomes one row without padding: for each distinct prompt, the prompt less its last token,
@@ -699,7 +702,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         prompt_width = input_ids.size(1) - completion_width
         prompt_mask = attention_mask[:, :prompt_width]  # (b, P) left-padded
         completion_len = attention_mask[:, prompt_width:].sum(1).tolist()  # (b,)
-        keys = _prompt_keys(input_ids[:, :prompt_width], prompt_mask)
+        keys = keys if keys is not None else _prompt_keys(input_ids[:, :prompt_width], prompt_mask)
         members: dict[tuple, list[int]] = defaultdict(list)
         for i, key in enumerate(keys):
             members[key].append(i)
