@@ -171,10 +171,11 @@ def test_rollout_search_then_answer_masks_and_exactness(smollm2_tokenizer):
 
 def test_rollout_limits_truncate(smollm2_tokenizer):
     tok = smollm2_tokenizer
-    # never answers: stops at max_turns, marked truncated, every observation mask 0
+    # never answers: stops at max_turns; every action was complete, so it is NOT truncated (only a token limit
+    # truncates: Trajectory.truncated), and it carries loss under mask_truncated_completions
     gen = ReplayGenerator(tok, ["<search>again</search>"])
     (t,) = make_rollout(SearchLikeEnv, tok, max_turns=3).run([{"q": "x"}], gen, SamplingParams())
-    assert t.num_turns == 3 and t.truncated and t.info["stop_reason"] == "max_turns"
+    assert t.num_turns == 3 and not t.truncated and t.info["stop_reason"] == "max_turns"
     # token budget counted over actions AND observations
     (t,) = make_rollout(SearchLikeEnv, tok, max_completion_length=30).run(
         [{"q": "x"}], ReplayGenerator(tok, ["<search>again</search>"]), SamplingParams()
@@ -296,3 +297,42 @@ def test_trl_style_environment_through_chat_tools(smollm2_tokenizer):
         assert "5" in tok.decode(obs_ids) and "<|im_start|>assistant" in tok.decode(obs_ids)
     finally:
         tok.chat_template = original
+
+
+def test_tag_turn_cut_by_max_tokens_per_turn_is_invalid_not_truncation(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    # 3 tokens per turn cannot hold "<search>...</search>": each turn is cut, answered as invalid, and the episode
+    # ends at max_turns, not truncated (the per-turn cap ends a turn, not the trajectory)
+    gen = ReplayGenerator(tok, ["<search>a long query that never closes</search>"])
+    (t,) = make_rollout(SearchLikeEnv, tok, max_turns=2, max_tokens_per_turn=3).run([{"q": "x"}], gen, SamplingParams())
+    assert t.info["actions"] == ["invalid", "invalid"] and not t.truncated and t.info["stop_reason"] == "max_turns"
+    obs = tok.decode([i for i, m in zip(t.completion_ids, t.action_mask) if m == 0])
+    assert obs.count("Invalid. Use the tags.") == 2
+
+
+def test_chat_turn_cut_without_eos_is_invalid_and_closed(smollm2_tokenizer):
+    from trl_multiturn.models import tool_chat_template
+
+    tok = smollm2_tokenizer
+    original = tok.chat_template
+    try:
+        tok.chat_template = tool_chat_template()
+        # turn 1 is cut at max_tokens_per_turn=4 before EOS: not a final answer, but an invalid action; the
+        # environment's feedback follows a closed message (EOS inserted with mask 0), as the chat template renders it
+        gen = ReplayGenerator(tok, ["Paris is the capital of France, I am sure of it", "Paris<|im_end|>"],
+                              finish_reason="eos")
+        rollout = make_rollout(SearchLikeEnv, tok, ChatToolProtocol(), max_tokens_per_turn=4)
+        (t,) = rollout.run([{"q": "capital of France?"}], gen, SamplingParams())
+        assert t.info["actions"] == ["invalid", "answer"], t.info["actions"]
+        assert t.info["stop_reason"] == "answer" and not t.truncated and t.info["final_answer"] == "Paris"
+        first = ids(tok, "Paris is the capital of France, I am sure of it")[:4]
+        assert t.completion_ids[:4] == first and t.action_mask[:4] == [1] * 4
+        assert t.completion_ids[4] == tok.eos_token_id and t.action_mask[4] == 0
+        obs = tok.decode([i for i, m in zip(t.completion_ids, t.action_mask) if m == 0])
+        assert "Invalid. Use the tags." in obs
+    finally:
+        tok.chat_template = original
+    # parsing alone: a message without EOS is never a final answer
+    a = ChatToolProtocol().parse("Paris", finished_by_eos=False)
+    assert a.kind == "invalid" and a.cut
+    assert ChatToolProtocol().parse("Paris", finished_by_eos=True).kind == "answer"

@@ -37,6 +37,8 @@ class Action:
         content: the answer text for kind "answer"; None otherwise.
         text: the raw text the policy produced in this turn (always set; what an invalid action said).
         error: why parsing failed for kind "invalid" (shown to the model through the protocol's feedback).
+        cut: True when the turn was cut by ``max_tokens_per_turn`` before the protocol's end of turn (a closing tag or
+            EOS); such a turn is always kind "invalid".
     """
 
     kind: ActionKind
@@ -45,6 +47,7 @@ class Action:
     arguments: dict[str, Any] = field(default_factory=dict)
     content: str | None = None
     error: str | None = None
+    cut: bool = False
 
 
 @dataclass

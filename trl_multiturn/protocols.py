@@ -270,6 +270,10 @@ class ChatToolProtocol(Protocol):
         return _render_prompt_ids(tokenizer, prompt, True, tools=tools)
 
     def parse(self, text: str, finished_by_eos: bool = True) -> Action:
+        if not finished_by_eos:
+            # A message ends at EOS; without it the turn was cut (max_tokens_per_turn) and is neither a finished
+            # tool call nor a final answer.
+            return Action(kind="invalid", text=text, cut=True, error="the message was cut before it ended (no EOS)")
         match = _TOOL_CALL_RE.search(text)
         if match is None:
             if "<tool_call>" in text:
@@ -296,4 +300,8 @@ class ChatToolProtocol(Protocol):
         text, record["observation_truncated"] = self._truncate(tokenizer, observation)
         record["observation_sanitized"] = False
         before, after = self._affixes(tokenizer)
-        return list(tokenizer(before + text + after, add_special_tokens=False)["input_ids"]), record
+        ids = list(tokenizer(before + text + after, add_special_tokens=False)["input_ids"])
+        if action.cut:
+            # the cut message never sampled its EOS: close it (mask 0) as the chat template renders every message
+            ids = [tokenizer.eos_token_id, *ids]
+        return ids, record

@@ -7,7 +7,9 @@ action mask 0. Sampled ids are appended exactly as sampled; nothing the policy p
 
 A trajectory ends when the action is a final answer, the environment says ``done``, or a limit is reached
 (``max_turns``, the token budget ``max_completion_length`` counted over actions AND observations, or the model's
-context); a trajectory that stops on a limit is marked ``truncated``. Environment calls run concurrently (sync ones
+context). ``truncated`` has one meaning (see :class:`~trl_multiturn.trajectory.Trajectory`): a token limit cut the
+trajectory (``stop_reason="max_tokens"``). Using up ``max_turns`` is not truncation (``stop_reason="max_turns"``): the
+policy chose to keep acting, every action it took was complete, and the reward says what that was worth. Environment calls run concurrently (sync ones
 in a thread pool, async ones on an event loop), each bounded by ``env_timeout``; an environment that raises or
 hangs ends its trajectory with the error recorded (``info["env_errors"]``, ``info["failed"]=True``) and the rest
 of the batch goes on, unless ``raise_on_env_error`` is set.
@@ -246,7 +248,7 @@ class MultiTurnRollout:
         trajs = st.trajs
         for i, d in enumerate(st.done):
             if not d:
-                trajs[i].truncated, trajs[i].info["stop_reason"] = True, "max_turns"
+                trajs[i].info["stop_reason"] = "max_turns"
         for t in trajs:
             if not t.completion_ids:  # TRL needs at least one completion token; a masked EOS carries no loss
                 t.add_observation([tok.eos_token_id])
@@ -273,14 +275,15 @@ class MultiTurnRollout:
         """Token budget of trajectory i's next turn, or None when a limit ends it (marked on the trajectory)."""
         cfg, t = self.config, st.trajs[i]
         if t.num_turns >= cfg.max_turns:
-            st.done[i], t.truncated, t.info["stop_reason"] = True, True, "max_turns"
+            st.done[i], t.info["stop_reason"] = True, "max_turns"
             return None
         budget = cfg.max_completion_length - len(t.completion_ids)
         if cfg.max_tokens_per_turn is not None:
             budget = min(budget, cfg.max_tokens_per_turn)
         if cfg.max_context_length is not None:
             budget = min(budget, cfg.max_context_length - len(t.prompt_ids) - len(t.completion_ids))
-        # the per-turn cap ends a turn, not the trajectory: only the overall budget truncates
+        # the per-turn cap ends a turn, not the trajectory (the protocol parses the cut turn as an invalid action):
+        # only the overall budget truncates
         st.turn_capped[i] = cfg.max_tokens_per_turn is not None and budget == cfg.max_tokens_per_turn
         if budget <= 0:
             st.done[i], t.truncated, t.info["stop_reason"] = True, True, "max_tokens"
@@ -298,11 +301,20 @@ class MultiTurnRollout:
         t.add_action(out.ids, out.logprobs)
         text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
         action = self.protocol.parse(text, finished_by_eos=out.finish_reason == "eos")
-        t.info["actions"].append(action.kind)
         if out.finish_reason == "length" and not st.turn_capped[i]:
             # The action was cut by the trajectory's token budget: nothing left to execute.
+            t.info["actions"].append(action.kind)
             t.truncated, t.info["stop_reason"], st.done[i] = True, "max_tokens", True
             return None
+        if out.finish_reason == "length":
+            # Cut by max_tokens_per_turn before the protocol's end of turn: whatever it parses as, it is not a
+            # finished action (a chat message without EOS is not a final answer). The environment answers it as an
+            # invalid action and the trajectory goes on.
+            action = Action(
+                kind="invalid", text=text, cut=True,
+                error=f"the turn reached max_tokens_per_turn={self.config.max_tokens_per_turn} tokens before it ended",
+            )
+        t.info["actions"].append(action.kind)
         if action.kind == "answer":
             t.info["final_answer"] = action.content
         return action

@@ -36,7 +36,14 @@ class Trajectory:
         turn_rewards: (K,) reward the environment returned for each action's ``step`` (0.0 when it gave none).
         reward: final scalar reward (environment rewards + reward functions), filled by the trainer.
         num_turns: K, the number of actions the policy took.
-        truncated: True when the trajectory stopped on a limit (turns, tokens, context) instead of finishing.
+        truncated: True when a token limit cut the trajectory: ``max_completion_length`` (actions and observations
+            together) or the model's context (``max_context_length``) left no room to finish the action being sampled,
+            the next observation or the next turn (``info["stop_reason"] == "max_tokens"``). This is the one meaning
+            of truncation in the package (``mask_truncated_completions``, ``rollout/truncated_frac``,
+            ``completions/clipped_ratio``), as in TRL, where a completion is truncated when the token budget ends it
+            before EOS. NOT truncated: a trajectory that used all ``max_turns`` (``stop_reason="max_turns"``: every
+            action it took was complete, and its reward judges the choice to keep acting), and a turn cut by
+            ``max_tokens_per_turn`` (it ends the turn, not the trajectory; the protocol parses it as invalid).
         info: free-form per-trajectory record (stop reason, env errors, action kinds, parsed answer, ...).
     """
 
