@@ -244,6 +244,7 @@ QUESTION_TYPES: dict[str, QuestionType] = {
         ),
     )
 }
+"""The question types of the offline data set by name: one per relation (1 hop) and three 2-hop chains."""
 
 
 @dataclass

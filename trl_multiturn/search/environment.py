@@ -12,8 +12,8 @@ One instance serves one trajectory. ``reset(row)`` returns the user prompt (the 
 * a :class:`~trl_multiturn.search.retrievers.RetrievalError` -> an error observation, counted, never raised.
 
 Departures from Search-R1: (1) the default prompt and every feedback text describe the tags in words and never
-contain a parsable action: Search-R1's prompt and feedback say "call a search engine by <search> query </search>"
-and "put the query between <search> and </search>", and a small model copies such text verbatim (measured: every
+contain a parsable action: Search-R1's prompt and feedback say "call a search engine by ``<search> query </search>``"
+and "put the query between ``<search>`` and ``</search>``", and a small model copies such text verbatim (measured: every
 search and answer SmolLM2-135M wrote in 1,312 trajectories was the word "and"); (2) searches are capped by
 ``max_searches`` (Search-R1 only caps turns); (3) retrieval failures become observations instead of crashing the
 rollout; (4) an optional per-turn reward for the first search that surfaces a gold answer (off by default).
