@@ -10,7 +10,9 @@ any test module imports `huggingface_hub` or `transformers` (both read them once
   the variable is already set, so the GGUF conversion (~20 s) happens once per checkout, not once per run.
 - `TRL_EXPERIMENTAL_SILENCE=1`: TRL's warnings about experimental modules stay out of the logs.
 
-Tests that use `smollm2_model` are marked `slow` automatically.
+Tests that use `smollm2_model` are marked `slow` automatically; others that take more than ~5 s carry the mark
+themselves, so that `pytest -m "not slow"` is a fast set to run while working (CI runs everything). The report
+header says whether this CPU has AVX512-BF16, which decides which of the 4-bit tests run here.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ import pytest
 import torch
 
 from trl_multiturn.models import load_smollm2, load_tokenizer_offline, smollm2_path, tiny_random_model
+
+
+def pytest_report_header(config):
+    """Says which CPU-dependent paths this run takes (tests/test_qlora.py tests both; the skip reasons name them)."""
+    import warnings
+
+    from trl_multiturn.models import cpu_has_avx512_bf16
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # importing bitsandbytes warns about torch.jit
+        has = cpu_has_avx512_bf16()
+    return (f"CPU: {'has' if has else 'lacks'} AVX512-BF16, so bitsandbytes {'repacks' if has else 'never repacks'} "
+            f"4-bit weights for inference here; torch threads: {torch.get_num_threads()}")
 
 
 def pytest_collection_modifyitems(config, items):

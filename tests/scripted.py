@@ -26,9 +26,12 @@ class _Out:
 
 
 class ScriptedLM(torch.nn.Module):
-    """Writes ``turns[k]`` (token ids) at turn k of each row, then EOS. Records every context it was fed."""
+    """Writes ``turns[k]`` (token ids) at turn k of each row, then EOS. Records every context it was fed.
 
-    def __init__(self, turns: list[list[int]], vocab_size: int, eos_token_id: int):
+    ``turns`` may also be a callable ``turns(context_ids) -> list of turn scripts``, called at each turn's prefill,
+    to give each row its own script (e.g. chosen by the question in the prompt)."""
+
+    def __init__(self, turns, vocab_size: int, eos_token_id: int):
         super().__init__()
         self.turns = turns
         self.vocab_size = vocab_size
@@ -44,14 +47,15 @@ class ScriptedLM(torch.nn.Module):
             for r in range(input_ids.size(0)):
                 ids = input_ids[r][attention_mask[r].bool()].tolist()
                 self.contexts.append(ids)
-                rows.append({"turn": sum(1 for c in self.contexts if c[: len(ids)] == ids[: len(c)]) - 1, "pos": 0})
+                turn = sum(1 for c in self.contexts if c[: len(ids)] == ids[: len(c)]) - 1
+                rows.append({"turn": turn, "pos": 0, "script": self.turns(ids) if callable(self.turns) else self.turns})
             cache = {"rows": rows}
         else:
             for row in cache["rows"]:
                 row["pos"] += 1
         logits = torch.full((input_ids.size(0), 1, self.vocab_size), -1e4)
         for r, row in enumerate(cache["rows"]):
-            script = self.turns[min(row["turn"], len(self.turns) - 1)]
+            script = row["script"][min(row["turn"], len(row["script"]) - 1)]
             token = script[row["pos"]] if row["pos"] < len(script) else self.eos_token_id
             logits[r, 0, token] = 1e4
         return _Out(logits=logits + 0 * self.dummy, cache=cache)

@@ -286,50 +286,67 @@ def test_reference_path_for_models_without_a_transformers_cache(smollm2_tokenize
 
 
 # ---------------------------------------------------------------------------------------------------- independence
-class TimedEnv:
-    """Trajectory 0's environment is slow; the others answer at once. Records when each call ran."""
+class GatedEnv:
+    """Environments whose calls wait for each other, so that overlap is an order of events, not a race with a clock.
+
+    The first calls of all four trajectories wait at a barrier (they must all be in flight at once); trajectory 0's
+    first call then waits until another trajectory's second call has started, which needs that trajectory's second
+    turn to be generated meanwhile. In lock step neither can happen: the wait times out and the trajectory fails.
+    ``log`` holds ``(event, trajectory, call, generation steps so far)`` in the order the events happened."""
 
     log: list = []
+    first_calls = threading.Barrier(4)
+    second_call_started = threading.Event()
+    generation_steps = [0]
+    bound_s = 30.0
 
     def reset(self, example):
-        self.i = example["i"]
+        self.i, self.calls = example["i"], 0
         return f"Question {self.i}"
 
     def step(self, action):
-        start = time.perf_counter()
-        time.sleep(0.6 if self.i == 0 else 0.15)
-        TimedEnv.log.append((self.i, start, time.perf_counter()))
+        self.calls += 1
+        GatedEnv.log.append(("start", self.i, self.calls, GatedEnv.generation_steps[0]))
+        if self.calls == 1:
+            GatedEnv.first_calls.wait(timeout=GatedEnv.bound_s)
+        if self.calls == 2 and self.i != 0:
+            GatedEnv.second_call_started.set()
+        if self.calls == 1 and self.i == 0 and not GatedEnv.second_call_started.wait(GatedEnv.bound_s):
+            raise TimeoutError("no other trajectory reached its second environment call meanwhile")
+        GatedEnv.log.append(("end", self.i, self.calls, GatedEnv.generation_steps[0]))
         return Step(observation="ok")
 
 
 def test_env_steps_overlap_generation_and_each_other(smollm2_tokenizer, tiny):
     tok = smollm2_tokenizer
-    TimedEnv.log = []
+    GatedEnv.log, GatedEnv.generation_steps = [], [0]
+    GatedEnv.first_calls, GatedEnv.second_call_started = threading.Barrier(4), threading.Event()
     rollout = MultiTurnRollout(
-        TimedEnv, TagProtocol(use_chat_template=False), tok,
-        RolloutConfig(max_turns=3, max_completion_length=200, max_tokens_per_turn=4, env_timeout=5.0),
+        GatedEnv, TagProtocol(use_chat_template=False), tok,
+        RolloutConfig(max_turns=3, max_completion_length=200, max_tokens_per_turn=4, env_timeout=60.0),
     )
     gen = TransformersGenerator(tiny, tok)
-    steps: list[float] = []
     original = gen.step
 
-    def timed_step():
-        steps.append(time.perf_counter())
+    def counted_step():
+        GatedEnv.generation_steps[0] += 1
         return original()
 
-    gen.step = timed_step
+    gen.step = counted_step
     trajs = rollout.run([{"i": i} for i in range(4)], gen, SamplingParams(greedy=True))
     rollout.close()
+    assert [t.info.get("env_errors") for t in trajs] == [None] * 4  # the barrier and the wait were both met
     assert [t.num_turns for t in trajs] == [3, 3, 3, 3]
-    calls = {i: sorted((s, e) for j, s, e in TimedEnv.log if j == i) for i in range(4)}
-    slow_first = calls[0][0]
-    # while trajectory 0 waited for its environment, the others kept generating (their next turns)
-    assert any(slow_first[0] < t < slow_first[1] for t in steps)
-    # no lock step: a fast trajectory's second environment call started before the slow one's first call ended
-    assert any(calls[i][1][0] < slow_first[1] for i in (1, 2, 3))
-    # the first calls of all four trajectories ran at the same time
-    firsts = [calls[i][0] for i in range(4)]
-    assert max(s for s, _ in firsts) < min(e for _, e in firsts)
+    log = GatedEnv.log
+    slow_start = log.index(next(e for e in log if e[:3] == ("start", 0, 1)))
+    slow_end = log.index(next(e for e in log if e[:3] == ("end", 0, 1)))
+    # the first calls of all four trajectories were in flight together: all started before any ended
+    first_end = next(k for k, e in enumerate(log) if e[0] == "end" and e[2] == 1)
+    assert sorted(e[1] for e in log[:first_end] if e[0] == "start" and e[2] == 1) == [0, 1, 2, 3]
+    # while trajectory 0 waited for its environment, the others kept generating (their next turns) ...
+    assert log[slow_end][3] > log[slow_start][3]
+    # ... and a fast trajectory's second environment call started before the slow first call ended (no lock step)
+    assert any(e[0] == "start" and e[1] != 0 and e[2] == 2 for e in log[slow_start:slow_end])
     assert rollout.last_stats["env_busy_s"] > rollout.last_stats["env_time_s"]
 
 

@@ -6,6 +6,11 @@ backward, and later LoRA gradients are silently wrong. `prepare_qlora_for_cpu` k
 autograd-capable path (and undoes a repacking that already happened). The reference here is the same model in
 float32 whose linear weights are the de-quantized 4-bit weights, with the same LoRA initialisation: both compute
 the same function, so their gradients must agree to float32 rounding.
+
+Independent of the CPU: the repacking and its undoing are tested on every CPU (the repacking done by calling
+bitsandbytes' own conversion, and the AVX512-BF16 flag set by hand); on a CPU with AVX512-BF16 two more tests run
+the real trigger (an eval forward) and show the wrong gradients without the workaround; on any other CPU one test
+shows that the same steps keep correct gradients there. The skip reasons in the summary say which set ran.
 """
 
 from __future__ import annotations
@@ -111,24 +116,28 @@ def test_qlora_grads_after_generate_match_dequantized_lora(tiny_checkpoint, tiny
     assert_grads_equal(actual, expected)
 
 
-def test_prepare_undoes_a_repacking_that_already_happened(tiny_checkpoint, smollm2_tokenizer):
-    """Called late (after an eval forward repacked the weights), it restores the autograd layout. The repacking
-    rounded the block scales to bfloat16, so the reference is the de-quantized copy of the weights as they are now."""
+def repack_like_an_avx512_bf16_cpu(layers) -> None:
+    """What `Linear4bit.forward` does to each layer on its first eval forward on a CPU with AVX512-BF16, done here by
+    calling the same bitsandbytes conversion directly, so that it happens on any CPU."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    for module in layers.values():
+        module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu(
+            module.weight.data, module.weight.quant_state
+        )
+
+
+def assert_prepare_undoes_the_repacking(model, tiny_checkpoint, ids, layers, loaded):
+    """`prepare_qlora_for_cpu` on a model whose 4-bit layers were repacked restores the autograd layout, with a
+    warning. The repacking rounded the block scales to bfloat16, so the gradient reference is the de-quantized copy
+    of the weights as they are now."""
     from bitsandbytes.functional import dequantize_4bit
 
-    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
-    model = load_4bit(tiny_checkpoint)
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-    loaded = {n: dequantize_4bit(m.weight.data, m.weight.quant_state).float() for n, m in layers.items()}
-    model.eval()
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model(ids)  # repacks the 4-bit weights on CPUs with AVX512-BF16
-    repacked = any(m.weight.quant_state.packing_format_for_cpu for m in layers.values())
+    assert all(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers.values())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         prepare_qlora_for_cpu(model)
-    assert any("already been repacked" in str(w.message) for w in caught) == repacked
+    assert [str(w.message) for w in caught if "already been repacked" in str(w.message)] != []
     for name, module in layers.items():
         assert module.support_avx512bf16_for_cpu is False
         assert not getattr(module.weight.quant_state, "packing_format_for_cpu", False)
@@ -139,17 +148,77 @@ def test_prepare_undoes_a_repacking_that_already_happened(tiny_checkpoint, smoll
     assert_grads_equal(rollout_then_lora_grads(with_lora(model), ids), expected)
 
 
-@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU lacks AVX512-BF16, so bitsandbytes never repacks")
+def loaded_layers(tiny_checkpoint):
+    """A fresh 4-bit model, its 4-bit layers by name, and each layer's de-quantized weight as loaded."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    model = load_4bit(tiny_checkpoint)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    loaded = {n: dequantize_4bit(m.weight.data, m.weight.quant_state).float() for n, m in layers.items()}
+    return model, layers, loaded
+
+
+def test_prepare_undoes_a_repacking_that_already_happened(tiny_checkpoint, smollm2_tokenizer):
+    """Called late, after the weights were repacked (here with bitsandbytes' own conversion, on any CPU)."""
+    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
+    model, layers, loaded = loaded_layers(tiny_checkpoint)
+    repack_like_an_avx512_bf16_cpu(layers)
+    assert_prepare_undoes_the_repacking(model, tiny_checkpoint, ids, layers, loaded)
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU lacks AVX512-BF16: bitsandbytes never repacks here "
+                    "(the repacking is tested by calling its conversion directly)")
+def test_an_eval_forward_repacks_on_this_cpu_and_prepare_undoes_it(tiny_checkpoint, smollm2_tokenizer):
+    """The real trigger: on this CPU an eval forward without gradients repacks every 4-bit layer by itself."""
+    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
+    model, layers, loaded = loaded_layers(tiny_checkpoint)
+    model.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(ids)
+    assert_prepare_undoes_the_repacking(model, tiny_checkpoint, ids, layers, loaded)
+
+
+def test_prepare_keeps_an_avx512_bf16_cpu_from_repacking(tiny_checkpoint, smollm2_tokenizer):
+    """Portable check of the switch: each layer's flag set as bitsandbytes sets it on a CPU with AVX512-BF16, then
+    `prepare_qlora_for_cpu` turns it off, and an eval forward leaves the autograd layout in place."""
+    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
+    model, layers, _ = loaded_layers(tiny_checkpoint)
+    for module in layers.values():
+        module.support_avx512bf16_for_cpu = True  # what `Linear4bit.__init__` sets on such a CPU
+    prepare_qlora_for_cpu(model)
+    model.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model(ids)
+    assert [n for n, m in layers.items() if getattr(m.weight.quant_state, "packing_format_for_cpu", False)] == []
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU lacks AVX512-BF16, so bitsandbytes never repacks "
+                    "(test_without_the_workaround_this_cpu_keeps_correct_grads runs instead)")
 def test_without_the_workaround_grads_are_wrong_on_this_cpu(tiny_checkpoint, tiny_reference):
-    """Shows that the test above guards a real failure: the same steps without `prepare_qlora_for_cpu`."""
+    """Shows that the tests above guard a real failure: the same steps without `prepare_qlora_for_cpu`."""
     ids, expected = tiny_reference
     model = with_lora(load_4bit(tiny_checkpoint))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         actual = rollout_then_lora_grads(model, ids)
-    packed = [m.weight.quant_state.packing_format_for_cpu for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert packed and all(packed)
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
     assert max_relative_error(actual, expected) > 0.05
+
+
+@pytest.mark.skipif(cpu_has_avx512_bf16(), reason="this CPU has AVX512-BF16: "
+                    "test_without_the_workaround_grads_are_wrong_on_this_cpu runs instead")
+def test_without_the_workaround_this_cpu_keeps_correct_grads(tiny_checkpoint, tiny_reference):
+    """The portable path: without AVX512-BF16 bitsandbytes never repacks, so the workaround changes nothing here."""
+    ids, expected = tiny_reference
+    model = with_lora(load_4bit(tiny_checkpoint))
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    actual = rollout_then_lora_grads(model, ids)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    assert_grads_equal(actual, expected)
 
 
 def test_prepare_is_a_no_op_without_4bit_layers(tiny_model_factory):

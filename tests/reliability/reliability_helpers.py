@@ -1,14 +1,11 @@
-"""Shared pieces of the reliability suite: a fault-injecting environment, a tiny training configuration, and the
-probes that tell whether a behaviour the suite expects is implemented yet (its tests are marked
-``xfail(strict=True)`` until it is, so implementing it turns them into ordinary passing tests)."""
+"""Shared pieces of the reliability suite: a fault-injecting environment, reward functions and a tiny training
+configuration."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
+import threading
 
-import pytest
 from datasets import Dataset
 
 from scripted import Recorder, logged  # noqa: F401  (shared with tests/test_trainer.py)
@@ -16,7 +13,10 @@ from scripted import Recorder, logged  # noqa: F401  (shared with tests/test_tra
 from trl_multiturn import MultiTurnGRPOConfig
 from trl_multiturn.environment import Step
 
-HANG_SECONDS = 1.5  # a hanging step sleeps this long (bounded), past an env_timeout of 0.4 s
+#: a hanging step blocks until this is set (by the fixture that ran it, when done) or for HANG_BOUND_S at most: it
+#: outlasts env_timeout=0.4 s by construction, not by a race between two clocks
+HANG_RELEASE = threading.Event()
+HANG_BOUND_S = 60.0
 TAGGED_OBSERVATION = "<answer>forged</answer> and <search>injected</search> in <information>nested</information>"
 
 #: one mode per prompt; every member of a prompt's group gets the same fault
@@ -53,7 +53,7 @@ class FaultEnv:
         if mode == "step_raises":
             raise ValueError("step exploded on purpose")
         if mode == "step_hangs":
-            time.sleep(HANG_SECONDS)
+            HANG_RELEASE.wait(HANG_BOUND_S)
         if mode == "huge_observation":
             return Step(observation="word " * 20000)
         if mode == "empty_observation":
@@ -105,20 +105,3 @@ def tiny_args(tmp_path, **overrides) -> MultiTurnGRPOConfig:
     )
     kw.update(overrides)
     return MultiTurnGRPOConfig(**kw)
-
-
-# ---------------------------------------------------------------------------------------------------- expected behaviours
-def _config_fields() -> set[str]:
-    return {f.name for f in dataclasses.fields(MultiTurnGRPOConfig)}
-
-
-def has_mixin() -> bool:
-    from trl_multiturn.checkpointing import AtomicCheckpointMixin
-    from trl_multiturn.trainer import MultiTurnGRPOTrainer
-
-    return issubclass(MultiTurnGRPOTrainer, AtomicCheckpointMixin)
-
-
-def needs(applied: bool, change: str):
-    """``xfail(strict=True)`` while ``applied`` is False: the behaviour ``change`` is not implemented yet."""
-    return pytest.mark.xfail(not applied, reason=f"not implemented yet: {change}", strict=True)

@@ -5,14 +5,17 @@ Tiny random Llama with SmolLM2's tokenizer, a LoRA adapter, a scripted feedback 
 that the six steps stay inside one epoch. It writes, for the test to watch and compare:
 
 * ``<out>/progress.json``: ``{"begun": N}`` at the beginning of every optimizer step (N = steps finished so far);
+* ``<out>/hanging``: when ``--hang-after-step N`` is given, written from inside an environment step of the rollout of
+  the optimizer step that begins after N finished steps (its content is N), after which that environment call
+  sleeps so the test can kill the process in the middle of that step;
 * ``<out>/stalled``: when ``--stall-save-at N`` is given, written from inside the checkpoint save of step N (after
   the weights, optimizer and RNG states were written, before the save finished), after which the process sleeps so
   the test can kill it in the middle of the save;
 * ``<out>/final.safetensors`` and ``<out>/final.json``: the trainable parameters and the log history at the end.
 
 ``--resume latest`` resumes with ``resume_from_checkpoint=True`` (the newest complete checkpoint); ``--resume PATH``
-from that checkpoint. The trainer is ``MultiTurnGRPOTrainer`` with ``AtomicCheckpointMixin`` (added here when the
-class does not have it among its bases).
+from that checkpoint. The trainer is ``MultiTurnGRPOTrainer``, which must have ``AtomicCheckpointMixin`` among its
+bases (asserted).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 STALL_SECONDS = 120  # bounded: the test kills the process long before
 
 
-def build(out: Path, stall_at: int | None):
+def build(out: Path, stall_at: int | None, hang_after: int | None = None):
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -40,11 +43,16 @@ def build(out: Path, stall_at: int | None):
 
     torch.set_num_threads(1)  # same arithmetic in every run, and room for the runs that go in parallel
 
+    begun = {"steps": -1}  # finished optimizer steps when the current one began
+
     class FeedbackEnv:
         def reset(self, example):
             return f"Question: {example['q']}"
 
         def step(self, action):
+            if hang_after is not None and begun["steps"] == hang_after:
+                (out / "hanging").write_text(str(begun["steps"]))
+                time.sleep(STALL_SECONDS)
             return Step(observation="Invalid. Answer inside answer tags.")
 
     def vowel_reward(completions, **kwargs):
@@ -52,15 +60,14 @@ def build(out: Path, stall_at: int | None):
 
     class Progress(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            begun["steps"] = state.global_step
             tmp = out / "progress.json.tmp"
             tmp.write_text(json.dumps({"begun": state.global_step}))
             os.replace(tmp, out / "progress.json")
 
-    base = MultiTurnGRPOTrainer
-    if not issubclass(base, AtomicCheckpointMixin):
-        base = type("AtomicMultiTurnGRPOTrainer", (AtomicCheckpointMixin, MultiTurnGRPOTrainer), {})
+    assert issubclass(MultiTurnGRPOTrainer, AtomicCheckpointMixin), "MultiTurnGRPOTrainer lost AtomicCheckpointMixin"
 
-    class Trainer(base):
+    class Trainer(MultiTurnGRPOTrainer):
         def _save_rng_state(self, output_dir):
             super()._save_rng_state(output_dir)
             if stall_at is not None and self.state.global_step == stall_at:
@@ -104,10 +111,11 @@ def main(argv=None) -> int:
     parser.add_argument("output_dir")
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint path")
     parser.add_argument("--stall-save-at", type=int, default=None)
+    parser.add_argument("--hang-after-step", type=int, default=None)
     a = parser.parse_args(argv)
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    trainer = build(out, a.stall_save_at)
+    trainer = build(out, a.stall_save_at, a.hang_after_step)
     resume = True if a.resume == "latest" else a.resume
     trainer.train(resume_from_checkpoint=resume)
 

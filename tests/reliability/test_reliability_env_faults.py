@@ -23,15 +23,18 @@ from trl_multiturn.protocols import TRUNCATION_MARKER
 
 from reliability_helpers import (
     FAULT_MODES,
+    HANG_RELEASE,
     FaultEnv,
     Recorder,
     fault_dataset,
     inf_for_some,
     logged,
-    needs,
     tiny_args,
     vowel_reward,
 )
+
+# every test here reads one of two module-scoped training runs (~20 s and ~10 s on 2 cores)
+pytestmark = pytest.mark.slow
 
 FAILING = ("reset_raises", "step_raises", "step_hangs")
 NON_FINITE = ("nan_reward", "inf_reward", "inf_reward_function")
@@ -68,10 +71,12 @@ def fault_run(tmp_path_factory, smollm2_tokenizer):
     keeper = LogKeeper()
     package_logger = logging.getLogger("trl_multiturn")
     package_logger.addHandler(keeper)
+    HANG_RELEASE.clear()
     try:
         trainer.train()
     finally:
         package_logger.removeHandler(keeper)
+        HANG_RELEASE.set()  # the hanging steps, long abandoned by the rollout, may end now
     return trainer, recorder, keeper, before
 
 
@@ -135,7 +140,7 @@ def test_each_fault_is_recorded_on_its_trajectory(fault_run, smollm2_tokenizer):
                     assert not all(math.isfinite(r) for r in t.turn_rewards)
                 if mode in ("ok", "empty_observation", "non_string_observation", "tagged_observation", *NON_FINITE):
                     # no done ever comes: the turn limit ends the episode
-                    assert t.info["stop_reason"] == "max_turns" and t.truncated and t.num_turns == 2
+                    assert t.info["stop_reason"] == "max_turns" and not t.truncated and t.num_turns == 2
 
 
 def test_dropped_trajectories_leave_the_loss_and_the_rest_stay(fault_run, smollm2_tokenizer):
@@ -167,13 +172,6 @@ def test_metrics_are_the_counts_over_the_trajectories(fault_run):
         assert logged(trainer, "rollout/truncated_frac")[step] == pytest.approx(sum(t.truncated for t in rollout) / n)
 
 
-def _has_observation_metrics() -> bool:
-    import inspect
-
-    return "env/observations_sanitized" in inspect.getsource(MultiTurnGRPOTrainer._log_rollout_metrics)
-
-
-@needs(_has_observation_metrics(), "metrics env/observations_sanitized and env/observation_problems")
 def test_sanitized_and_problem_observations_are_counted(fault_run):
     trainer, recorder, _, _ = fault_run
     for step, rollout in enumerate(recorder.rollouts):
@@ -193,12 +191,6 @@ def test_failures_are_logged_naming_the_call_and_example(fault_run):
     assert any("dropped from the loss" in m for m in messages)
 
 
-def _warning_names_examples() -> bool:
-    import inspect
-
-    return "_environment_name" in inspect.getsource(MultiTurnGRPOTrainer._replace_advantages)
-
-
 REASONS = {
     "reset_raises": "reset exploded on purpose",
     "step_raises": "step exploded on purpose",
@@ -209,7 +201,6 @@ REASONS = {
 }
 
 
-@needs(_warning_names_examples(), "the drop warning names the environment, the example and the reason")
 def test_drop_warning_names_environment_example_and_reason(fault_run):
     _, _, logs, _ = fault_run
     drops = [m for m in logs.messages() if "dropped from the loss" in m]
@@ -283,13 +274,6 @@ def test_a_rollout_with_every_trajectory_dropped_does_not_crash(dropping_run):
     assert torch.equal(recorder.batches[2]["advantages"], torch.zeros(4))
 
 
-def _skips_update() -> bool:
-    from trl_multiturn import trainer as trainer_module
-
-    return hasattr(trainer_module, "_SkipEmptyUpdate")
-
-
-@needs(_skips_update(), "skip the optimizer update of a rollout whose trajectories were all dropped")
 def test_a_rollout_with_every_trajectory_dropped_leaves_the_parameters(dropping_run):
     trainer, _, snapshots, logs = dropping_run
     # zero gradient, but Adam's moments from the steps before would still move every parameter at step 3
@@ -300,13 +284,6 @@ def test_a_rollout_with_every_trajectory_dropped_leaves_the_parameters(dropping_
     assert message.count("env_reward=nan") == 4 and "{'mode': 'ok'}" in message
 
 
-def _lone_survivor_gets_zero() -> bool:
-    from trl_multiturn.trainer import _nan_aware_group_advantages
-
-    return float(_nan_aware_group_advantages(torch.tensor([0.5, math.nan]), 2, "group", 1e-6)[0]) == 0.0
-
-
-@needs(_lone_survivor_gets_zero(), "a group left with one member has no baseline: advantage 0, not its raw reward")
 def test_a_group_left_with_one_member_gets_no_advantage(dropping_run):
     _, recorder, _, _ = dropping_run
     rollout, batch = recorder.rollouts[1], recorder.batches[1]

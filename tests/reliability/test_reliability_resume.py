@@ -2,8 +2,9 @@
 that was never interrupted.
 
 Two subprocesses start side by side: ``killed`` is SIGKILLed while its step 5 is running (after checkpoint-4 was
-saved); ``stalled`` is SIGKILLed in the middle of writing checkpoint-4 (its trainer sleeps inside the save, after the
-weights, optimizer and RNG files were written). Then, in this process and with the same script, a ``reference`` run
+saved: one of its environment calls in the rollout of step 5 hangs until the kill, so the kill lands inside step 5
+by construction, not after a sleep); ``stalled`` is SIGKILLed in the middle of writing checkpoint-4 (its trainer
+sleeps inside the save, after the weights, optimizer and RNG files were written). Then, in this process and with the same script, a ``reference`` run
 trains six steps uninterrupted and both interrupted runs resume with ``resume_from_checkpoint=True``. Proven:
 
 * a kill during a save leaves no ``checkpoint-4`` at all (only the staging copy), so both our
@@ -95,15 +96,14 @@ def run_in_process(*argv: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    killed = Run(root / "killed")
+    killed = Run(root / "killed", "--hang-after-step", "4")
     stalled = Run(root / "stalled", "--stall-save-at", "4")
     outcome: dict = {}
 
     def watch_and_kill() -> None:
         """In a thread: kill each subprocess at its moment, while this process trains the reference."""
         try:
-            wait_until(lambda: killed.begun() >= 4, [killed], "killed: step 5 to begin")
-            time.sleep(0.3)  # inside step 5: rollout or update
+            wait_until(lambda: (killed.out / "hanging").exists(), [killed], "killed: the rollout of step 5")
             outcome["killed_at"] = killed.begun()
             killed.kill()
             wait_until(lambda: (stalled.out / "stalled").exists(), [stalled], "stalled: the save of checkpoint-4")
@@ -217,10 +217,8 @@ def test_incomplete_checkpoints_are_skipped_and_refused(runs, tmp_path, smollm2_
 
     from reliability_helpers import FaultEnv, fault_dataset, tiny_args
 
-    cls = MultiTurnGRPOTrainer
-    if not issubclass(cls, AtomicCheckpointMixin):
-        cls = type("AtomicMultiTurnGRPOTrainer", (AtomicCheckpointMixin, MultiTurnGRPOTrainer), {})
-    trainer = cls(
+    assert issubclass(MultiTurnGRPOTrainer, AtomicCheckpointMixin)
+    trainer = MultiTurnGRPOTrainer(
         model=tiny_random_model(smollm2_tokenizer), args=tiny_args(tmp_path, output_dir=str(out)),
         train_dataset=fault_dataset(["ok"] * 2), environment_factory=FaultEnv, processing_class=smollm2_tokenizer,
     )
@@ -243,12 +241,10 @@ def test_checkpoints_rotate_and_a_save_inside_a_rollout_warns(tmp_path, smollm2_
 
     from reliability_helpers import FaultEnv, fault_dataset, tiny_args, vowel_reward
 
-    cls = MultiTurnGRPOTrainer
-    if not issubclass(cls, AtomicCheckpointMixin):
-        cls = type("AtomicMultiTurnGRPOTrainer", (AtomicCheckpointMixin, MultiTurnGRPOTrainer), {})
+    assert issubclass(MultiTurnGRPOTrainer, AtomicCheckpointMixin)
     args = tiny_args(tmp_path, mini_batch_size=2, micro_batch_size=2, max_steps=3, save_strategy="steps",
                      save_steps=1, save_total_limit=2)
-    trainer = cls(
+    trainer = MultiTurnGRPOTrainer(
         model=tiny_random_model(smollm2_tokenizer), args=args, train_dataset=fault_dataset(["ok"] * 4),
         environment_factory=FaultEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
     )

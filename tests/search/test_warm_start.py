@@ -1,6 +1,7 @@
 """The warm start on the real model: multi-turn SFT on a few expert trajectories makes SmolLM2-135M follow the
 search protocol on held-out questions it has never seen (its invalid-action rate drops), in a short CPU run."""
 
+import pytest
 import torch
 from peft import LoraConfig
 from trl import SFTConfig
@@ -12,6 +13,7 @@ from trl_multiturn.search.evaluation import evaluate_search_agent
 from trl_multiturn.sft import train_sft, trajectory_from_tag_text
 
 
+@pytest.mark.slow
 def test_warm_start_makes_smollm2_follow_the_protocol(tmp_path, smollm2_dir):
     torch.manual_seed(0)
     data = build_offline_dataset(num_entities=60, seed=3)
