@@ -6,7 +6,7 @@ and every sampled token mask 1; limits, faults and bad observations are recorded
 """
 
 import asyncio
-import time
+import threading
 
 import pytest
 import torch
@@ -184,7 +184,11 @@ def test_rollout_limits_truncate(smollm2_tokenizer):
 
 
 class FaultyEnv:
-    """Fails in a way chosen by the example."""
+    """Fails in a way chosen by the example. A "hangs" step blocks until ``release`` is set (bounded: 60 s);
+    ``hang_ended`` is set when it returns."""
+
+    release = threading.Event()
+    hang_ended = threading.Event()
 
     def reset(self, example):
         self.mode = example["mode"]
@@ -196,7 +200,8 @@ class FaultyEnv:
         if self.mode == "step_raises":
             raise ValueError("step exploded")
         if self.mode == "hangs":
-            time.sleep(3)
+            FaultyEnv.release.wait(60)
+            FaultyEnv.hang_ended.set()
         if self.mode == "huge":
             return Step(observation="word " * 5000)
         if self.mode == "not_string":
@@ -210,9 +215,15 @@ def test_rollout_records_environment_faults_and_goes_on(smollm2_tokenizer):
     tok = smollm2_tokenizer
     modes = ["ok", "reset_raises", "step_raises", "hangs", "huge", "not_string", "bad_return"]
     rollout = make_rollout(FaultyEnv, tok, TagProtocol(max_observation_tokens=32), max_turns=2, env_timeout=0.5)
-    start = time.perf_counter()
-    trajs = rollout.run([{"mode": m} for m in modes], ReplayGenerator(tok, ["<search>q</search>"]), SamplingParams())
-    assert time.perf_counter() - start < 2.5  # the hanging step did not block the batch past env_timeout
+    FaultyEnv.release.clear()
+    FaultyEnv.hang_ended.clear()
+    try:
+        generator = ReplayGenerator(tok, ["<search>q</search>"])
+        trajs = rollout.run([{"mode": m} for m in modes], generator, SamplingParams())
+        # the rollout returned while the hanging step was still blocked: env_timeout ended the wait, not the step
+        assert not FaultyEnv.hang_ended.is_set()
+    finally:
+        FaultyEnv.release.set()
     by_mode = dict(zip(modes, trajs))
     for t in trajs:
         t.validate()
@@ -235,21 +246,80 @@ def test_rollout_can_raise_on_env_error(smollm2_tokenizer):
 
 
 class AsyncEnv:
+    """Each ``reset`` and each ``step`` waits until all ``batch`` environments have entered the same call: run one
+    after the other, the first would wait alone and time out (an environment error on its trajectory)."""
+
+    batch = 8
+    entered: dict = {}
+
+    async def _all_together(self, call: str) -> None:
+        entered = AsyncEnv.entered.setdefault(call, {"count": 0, "event": asyncio.Event()})
+        entered["count"] += 1
+        if entered["count"] == AsyncEnv.batch:
+            entered["event"].set()
+        await asyncio.wait_for(entered["event"].wait(), 20)
+
     async def reset(self, example):
-        await asyncio.sleep(0.2)
+        await self._all_together("reset")
         return "Question"
 
     async def step(self, action):
-        await asyncio.sleep(0.2)
+        await self._all_together("step")
         return Step(observation="obs", done=True, reward=0.5)
 
 
 def test_async_environments_run_concurrently(smollm2_tokenizer):
-    rollout = make_rollout(AsyncEnv, smollm2_tokenizer)
-    start = time.perf_counter()
+    AsyncEnv.entered = {}
+    rollout = make_rollout(AsyncEnv, smollm2_tokenizer, env_timeout=60)
     trajs = rollout.run([{}] * 8, ReplayGenerator(smollm2_tokenizer, ["<search>q</search>"]), SamplingParams())
-    assert time.perf_counter() - start < 1.5  # 8 x (0.2 + 0.2) s sequentially would be 3.2 s
+    assert [t.info.get("env_errors") for t in trajs] == [None] * 8
     assert [t.turn_rewards for t in trajs] == [[0.5]] * 8
+    assert {call: e["count"] for call, e in AsyncEnv.entered.items()} == {"reset": 8, "step": 8}
+
+
+class ClosingEnv:
+    """Records its calls, including ``close``; its reset fails when the example says so."""
+
+    instances: list = []
+
+    def __init__(self):
+        self.calls = []
+        ClosingEnv.instances.append(self)
+
+    def reset(self, example):
+        self.calls.append("reset")
+        if example["mode"] == "reset_raises":
+            raise RuntimeError("reset exploded")
+        return "Question"
+
+    def step(self, action):
+        self.calls.append("step")
+        return Step(observation="obs")
+
+    def close(self):
+        self.calls.append("close")
+
+
+class AsyncClosingEnv(ClosingEnv):
+    async def close(self):
+        self.calls.append("async close")
+
+
+@pytest.mark.parametrize("env_class", [ClosingEnv, AsyncClosingEnv])
+def test_every_environment_is_closed_after_the_rollout(smollm2_tokenizer, env_class):
+    """``close()`` (sync or async) runs once per environment, after its last call, whether its episode ended by the
+    turn limit, an answer or a failed reset."""
+    ClosingEnv.instances = []
+    rollout = make_rollout(env_class, smollm2_tokenizer, max_turns=2)
+    modes = ["ok", "reset_raises", "ok"]
+    gen = ReplayGenerator(smollm2_tokenizer, ["<search>q</search>", "<answer>x</answer>"])
+    trajs = rollout.run([{"mode": m} for m in modes], gen, SamplingParams())
+    rollout.close()
+    close = "close" if env_class is ClosingEnv else "async close"
+    assert [t.info["stop_reason"] for t in trajs] == ["answer", "reset_error", "answer"]
+    assert [e.calls for e in ClosingEnv.instances] == [
+        ["reset", "step", "step", close], ["reset", close], ["reset", "step", "step", close]
+    ]
 
 
 class TRLStyleCalculator:
@@ -332,7 +402,3 @@ def test_chat_turn_cut_without_eos_is_invalid_and_closed(smollm2_tokenizer):
         assert "Invalid. Use the tags." in obs
     finally:
         tok.chat_template = original
-    # parsing alone: a message without EOS is never a final answer
-    a = ChatToolProtocol().parse("Paris", finished_by_eos=False)
-    assert a.kind == "invalid" and a.cut
-    assert ChatToolProtocol().parse("Paris", finished_by_eos=True).kind == "answer"

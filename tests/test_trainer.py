@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 from scripted import Recorder, logged
 
 from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+from trl_multiturn.advantages import turn_advantages
 from trl_multiturn.environment import Step
 from trl_multiturn.loss import policy_loss
 from trl_multiturn.protocols import ChatToolProtocol, TagProtocol
@@ -90,7 +91,10 @@ def test_one_minibatch_per_rollout_pg_loss_zero_and_model_learns(tmp_path, smoll
             assert mask[row, n:].sum() == 0  # padding never carries loss
             assert t.num_turns > 1 and t.num_observation_tokens > 0
             obs = smollm2_tokenizer.decode([i for i, m in zip(t.completion_ids, t.action_mask) if m == 0])
-            assert obs.count("Invalid. Answer inside answer tags.") == t.num_turns - (1 if t.truncated else 0) or obs
+            # every turn's action got the feedback, except a last turn cut by the token budget (no step ran, or its
+            # observation did not fit)
+            answered = t.num_turns - (1 if t.info["stop_reason"] == "max_tokens" else 0)
+            assert obs.count("Invalid. Answer inside answer tags.") == answered, (obs, t.info["stop_reason"])
     assert logged(trainer, "rollout/turns_mean")[0] > 1
     assert logged(trainer, "rollout/observation_tokens_mean")[0] > 0
 
@@ -181,16 +185,30 @@ def test_turn_level_advantages_train(tmp_path, smollm2_tokenizer, tiny_model_fac
             self.turn += 1
             return Step(observation="Invalid.", reward=float(len(action.text) % 3 == self.turn % 3))
 
+    args = make_args(tmp_path, max_steps=1, turn_advantage=mode, turn_advantage_gamma=0.5, turn_advantage_weight=0.7)
     trainer = MultiTurnGRPOTrainer(
-        model=tiny_model_factory(), args=make_args(tmp_path, max_steps=1, turn_advantage=mode),
-        train_dataset=dataset(), environment_factory=TurnRewardEnv, processing_class=smollm2_tokenizer,
+        model=tiny_model_factory(), args=args, train_dataset=dataset(), environment_factory=TurnRewardEnv,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
     )
     rec = Recorder(trainer)
     trainer.train()
-    adv = rec.batches[0]["advantages"]
-    mask = rec.batches[0]["tool_mask"] * rec.batches[0]["completion_mask"]
+    (trajs,), (batch,) = rec.rollouts, rec.batches
+    adv = batch["advantages"]  # (B, C) in rollout order
+    mask = batch["tool_mask"] * batch["completion_mask"]
     assert adv.dim() == 2 and adv.shape == mask.shape
     assert torch.all(adv[mask == 0] == 0)  # observation and padding tokens get no advantage
+    # the exact values: the outcome is the reward functions' part of the reward (the environment's per-turn rewards
+    # enter as turn rewards, not twice), each turn's tokens get their own turn's advantage, with gamma and weight
+    turn_rewards = [t.turn_rewards for t in trajs]
+    assert len({tuple(r) for r in turn_rewards}) > 1  # the per-turn rewards differ: a real turn-level signal
+    outcome = [t.reward - sum(r) for t, r in zip(trajs, turn_rewards)]
+    turn_ids = torch.full(adv.shape, -1, dtype=torch.long)
+    action_mask = torch.zeros(adv.shape, dtype=torch.long)
+    for row, t in enumerate(trajs):
+        turn_ids[row, : len(t.turn_ids)] = torch.tensor(t.turn_ids)
+        action_mask[row, : len(t.action_mask)] = torch.tensor(t.action_mask)
+    expected = turn_advantages(mode, outcome, turn_rewards, turn_ids, action_mask, 4, gamma=0.5, turn_weight=0.7)
+    torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-6)
     assert logged(trainer, "grad_norm")[0] > 0
 
 
@@ -442,6 +460,7 @@ def test_compact_padding_gives_trl_log_probs_with_fewer_tokens(tmp_path, smollm2
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.slow  # three training runs: ~8 s
 def test_token_budget_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_tokenizer, tiny_model_factory):
     """max_tokens_per_micro_batch: the mini-batch is cut into the fewest micro-batches that fit the budget (unused
     accumulation slots run an empty micro-batch); losses and gradients equal fixed-size micro-batching."""

@@ -223,3 +223,94 @@ def test_bad_inputs_raise_clear_errors():
         turn_advantages("trajectory", [1.0, 0.0, 1.0], None, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), 2)
     with pytest.raises(ValueError, match=r"rewards\[0\] is nan"):
         turn_advantages("trajectory", [float("nan"), 0.0], None, tids, mask, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dropped trajectories: every column is normalized over the kept members only
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["trajectory", "mt-grpo", "discounted"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_dropped_members_leave_the_baseline(mode, scale):
+    # one group of G = 4 whose member 1 was dropped (its reward is NaN and its turn rewards are junk): the three kept
+    # members get exactly what a group of those three alone gets, the dropped one gets 0
+    tids, mask = layout([[0, 1, 1], [0, 0, 1], [0, 1], [0, 1, 2]], width=4)
+    rewards = [1.0, float("nan"), 0.0, 0.5]
+    turn = [[0.5, 0.0], [9.0, 9.0], [0.0, 1.0], [0.0, 0.0, 0.25]]
+    keep = torch.tensor([True, False, True, True])
+    adv = turn_advantages(mode, rewards, turn, tids, mask, 4, scale=scale, gamma=0.5, turn_weight=0.7, keep=keep)
+    alone = turn_advantages(mode, [1.0, 0.0, 0.5], [turn[0], turn[2], turn[3]], tids[keep], mask[keep], 3,
+                            scale=scale, gamma=0.5, turn_weight=0.7)
+    assert torch.equal(adv[keep], alone)
+    assert torch.equal(adv[1], torch.zeros(4))
+    # filling the dropped member with the group mean (and 0 turn rewards) and keeping it in the baseline shrinks
+    # the std and moves the turn columns' means: it differs (except the outcome alone without a std)
+    filled = turn_advantages(mode, [1.0, 0.5, 0.0, 0.5], [turn[0], [0.0, 0.0], turn[2], turn[3]], tids, mask, 4,
+                             scale=scale, gamma=0.5, turn_weight=0.7)
+    assert torch.allclose(filled[keep], alone) == (mode == "trajectory" and scale == "none")
+
+
+def test_a_group_left_with_one_member_has_no_signal():
+    tids, mask = layout([[0], [0], [0, 1], [0, 1]], width=2)
+    keep = torch.tensor([True, False, True, True])  # group 0 keeps 1 member, group 1 keeps both
+    for mode in VALID_TURN_ADVANTAGES:
+        adv = turn_advantages(mode, [1.0, 0.0, 1.0, 0.0], [[0.2], [0.0], [0.0, 0.1], [0.3, 0.0]], tids, mask, 2,
+                              keep=keep)
+        assert torch.equal(adv[:2], torch.zeros(2, 2)), mode
+        assert bool((adv[2:][mask[2:].bool()] != 0).any()), mode
+    with pytest.raises(ValueError, match="keep has 3 entries but there are 4 rewards"):
+        turn_advantages("mt-grpo", [1.0, 0.0, 1.0, 0.0], [[0.0]] * 4, tids, mask, 2, keep=[True] * 3)
+
+
+@pytest.mark.parametrize("mode", ["mt-grpo", "discounted"])
+def test_trainer_drops_failed_trajectories_from_turn_baselines(tmp_path, smollm2_tokenizer, tiny_model_factory, mode):
+    from scripted import Recorder
+    from test_trainer import FeedbackEnv, dataset, make_args, vowel_reward
+
+    from trl_multiturn import MultiTurnGRPOTrainer
+    from trl_multiturn.environment import Step
+
+    class TurnRewardSometimesFailing(FeedbackEnv):
+        created = 0
+
+        def reset(self, example):
+            TurnRewardSometimesFailing.created += 1
+            self.fail, self.turn = TurnRewardSometimesFailing.created % 3 == 0, 0
+            return super().reset(example)
+
+        def step(self, action):
+            if self.fail:
+                raise RuntimeError("tool backend down")
+            self.turn += 1
+            return Step(observation="Invalid.", reward=float(len(action.text) % 3 == self.turn % 3))
+
+    args = make_args(tmp_path, max_steps=1, turn_advantage=mode, turn_advantage_gamma=0.5, turn_advantage_weight=0.7)
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=args, train_dataset=dataset(), environment_factory=TurnRewardSometimesFailing,
+        reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    rec = Recorder(trainer)
+    trainer.train()
+    (trajs,), (batch,) = rec.rollouts, rec.batches
+    adv = batch["advantages"]  # (B, C) in rollout order
+    failed = [bool(t.info.get("failed")) for t in trajs]
+    assert any(failed) and not all(failed)
+    checked = 0
+    for g in range(0, len(trajs), 4):
+        kept = [i for i in range(g, g + 4) if not failed[i]]
+        for i in range(g, g + 4):
+            if failed[i]:
+                assert torch.equal(adv[i], torch.zeros_like(adv[i]))
+        if len(kept) < 2:
+            continue
+        # the kept members alone, as a group of len(kept): no dropped member in the mean or the std
+        turn_ids = torch.full((len(kept), adv.size(1)), -1, dtype=torch.long)
+        action_mask = torch.zeros((len(kept), adv.size(1)), dtype=torch.long)
+        for row, i in enumerate(kept):
+            turn_ids[row, : len(trajs[i].turn_ids)] = torch.tensor(trajs[i].turn_ids)
+            action_mask[row, : len(trajs[i].action_mask)] = torch.tensor(trajs[i].action_mask)
+        outcome = [trajs[i].reward - sum(trajs[i].turn_rewards) for i in kept]
+        alone = turn_advantages(mode, outcome, [trajs[i].turn_rewards for i in kept], turn_ids, action_mask,
+                                len(kept), gamma=0.5, turn_weight=0.7)
+        torch.testing.assert_close(adv[kept], alone, rtol=1e-5, atol=1e-6)
+        checked += len(kept) < 4
+    assert checked  # at least one group lost a member and kept a baseline

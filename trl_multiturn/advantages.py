@@ -14,6 +14,8 @@ Departures from VeRL / TRL, each on purpose:
 - VeRL's group of size 1 (mean 0, std 1, so ``A = r / (1 + eps)``) is kept, and applied under every ``scale``.
 - ``scale="batch"`` is TRL's ``scale_rewards="batch"``: the group mean, divided by the std of the whole batch.
 - ``eps`` defaults to VeRL's 1e-6 (TRL adds 1e-4).
+- ``keep`` (both functions) leaves dropped trajectories (failed environment, non-finite reward) out of every mean
+  and std, in every mode; they get 0, and so does a group that keeps fewer than 2 members.
 """
 
 from __future__ import annotations
@@ -88,11 +90,36 @@ def _normalize(values: torch.Tensor, group_size: int, scale: str, eps: float) ->
     return scaled.reshape(-1)  # (B,)
 
 
+def _normalize_kept(values: torch.Tensor, keep: torch.Tensor | None, group_size: int, scale: str, eps: float
+                    ) -> torch.Tensor:
+    """:func:`_normalize` over the kept members of each group only; (B,) values, (B,) bool keep -> (B,).
+
+    A dropped member is neither normalized nor part of its group's mean and std (nor of the batch std); it gets 0,
+    and so does every member of a group that keeps fewer than 2 (no baseline is left). Without drops this is
+    :func:`_normalize` exactly, VeRL's lone rollout of ``group_size = 1`` included.
+    """
+    if keep is None or bool(keep.all()):
+        return _normalize(values, group_size, scale, eps)  # (B,)
+    out = torch.zeros_like(values)  # (B,)
+    if scale == "batch":
+        kept = values[keep]  # (n_kept,)
+        batch_std = kept.std() if kept.numel() > 1 else values.new_tensor(1.0)  # () over kept members only
+    for start in range(0, values.numel(), group_size):
+        rows = torch.arange(start, start + group_size, device=values.device)[keep[start : start + group_size]]
+        n = rows.numel()
+        if n < 2:
+            continue  # no baseline left in this group: no learning signal
+        normalized = _normalize(values[rows], n, "none" if scale == "batch" else scale, eps)  # (n,)
+        out[rows] = normalized / (batch_std + eps) if scale == "batch" else normalized
+    return out  # (B,)
+
+
 def group_advantages(
     rewards: torch.Tensor | Sequence[float],
     group_size: int,
     scale: str = "group",
     eps: float = 1e-6,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One advantage per trajectory from its group's rewards.
 
@@ -102,6 +129,8 @@ def group_advantages(
         scale: "group" ``(r - mean_G) / (std_G + eps)``; "batch" ``(r - mean_G) / (std_B + eps)`` with the std of
             all B rewards; "none" ``r - mean_G`` (Dr. GRPO). std is unbiased (divides by n - 1).
         eps: added to the std before dividing.
+        keep: (B,) bool, False for a dropped trajectory: means and stds are over the kept members only, a dropped
+            row gets 0 (its reward is not read, it may be NaN), and so does a group with fewer than 2 kept members.
 
     Returns:
         (B,) advantages (float dtype of ``rewards``, float32 for integer input). A group of identical rewards gets
@@ -112,11 +141,27 @@ def group_advantages(
             a negative ``eps``.
     """
     _check_scale(scale)
+    keep, rewards, _ = _apply_keep(keep, rewards, None)
     r = _as_rewards(rewards)  # (B,)
     _check_group_size(group_size, r.numel())
     if not (eps >= 0 and math.isfinite(eps)):
         raise ValueError(f"eps={eps!r} must be a finite number >= 0.")
-    return _normalize(r, group_size, scale, eps)  # (B,)
+    return _normalize_kept(r, None if keep is None else keep.to(r.device), group_size, scale, eps)  # (B,)
+
+
+def _apply_keep(keep, rewards, turn_rewards):
+    """``(keep (B,) bool on CPU or None, rewards with dropped rows read as 0, turn_rewards likewise)``."""
+    if keep is None:
+        return None, rewards, turn_rewards
+    keep = torch.as_tensor(keep, dtype=torch.bool).reshape(-1).cpu()  # (B,)
+    raw = torch.as_tensor(rewards)
+    if keep.numel() != raw.numel():
+        raise ValueError(f"keep has {keep.numel()} entries but there are {raw.numel()} rewards; they must match.")
+    raw = raw if torch.is_floating_point(raw) else raw.to(torch.float32)
+    rewards = torch.where(keep.to(raw.device), raw, torch.zeros_like(raw))  # (B,) dropped rows read as 0
+    if turn_rewards is not None:
+        turn_rewards = [row if k else [0.0] * len(row) for row, k in zip(turn_rewards, keep.tolist())]
+    return keep, rewards, turn_rewards
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -212,6 +257,7 @@ def turn_advantages(
     eps: float = 1e-6,
     gamma: float = 1.0,
     turn_weight: float = 1.0,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token advantages (B, T) for the turn-credit ``mode`` (``MultiTurnGRPOConfig.turn_advantage``).
 
@@ -242,10 +288,15 @@ def turn_advantages(
         scale, eps: as in :func:`group_advantages`, used for every normalization.
         gamma: discount over turns for "discounted" (``turn_advantage_gamma``), in [0, 1].
         turn_weight: weight of the turn-level signal relative to the outcome (``turn_advantage_weight``), >= 0.
+        keep: (B,) bool, False for a dropped trajectory (failed environment, non-finite reward). Every column
+            (outcome, turn index, return) is normalized over the kept members of each group only, as the
+            trajectory-level baseline is; dropped rows get 0 and their reward and per-turn rewards are not read
+            (they may be NaN). A group that keeps fewer than 2 members gets 0. None: every trajectory is kept.
 
     Returns:
-        (B, T) float advantages on ``action_mask``'s device, 0.0 where ``action_mask`` is 0.
+        (B, T) float advantages on ``action_mask``'s device, 0.0 where ``action_mask`` is 0 and on dropped rows.
     """
+    keep, rewards, turn_rewards = _apply_keep(keep, rewards, turn_rewards)
     r = _as_rewards(rewards)  # (B,)
     _check_scale(scale)
     _check_group_size(group_size, r.numel())
@@ -256,7 +307,10 @@ def turn_advantages(
     device = action_mask.device
     r = r.to(device)  # (B,)
     mask = action_mask.bool()  # (B, T)
-    outcome_adv = _normalize(r, group_size, scale, eps)  # (B,)
+    if keep is not None:
+        keep = keep.to(device)  # (B,)
+        mask = mask & keep[:, None]  # (B, T) a dropped trajectory carries no advantage
+    outcome_adv = _normalize_kept(r, keep, group_size, scale, eps)  # (B,)
     if mode == "trajectory":
         per_token = outcome_adv[:, None].expand(mask.shape)  # (B, T)
         return torch.where(mask, per_token, torch.zeros_like(per_token))  # (B, T)
@@ -264,7 +318,7 @@ def turn_advantages(
     if mode == "mt-grpo":
         padded = _pad_turns(turn_rewards, r.dtype, device)  # (B, K) r_{b,k}, 0 after the last turn
         turn_adv = torch.stack(
-            [_normalize(padded[:, k], group_size, scale, eps) for k in range(padded.shape[1])], dim=1
+            [_normalize_kept(padded[:, k], keep, group_size, scale, eps) for k in range(padded.shape[1])], dim=1
         )  # (B, K) A^T_{b,k}
         credit = turn_adv.flip(1).cumsum(1).flip(1)  # (B, K) sum_{k' >= k} A^T_{b,k'}
         per_turn = outcome_adv[:, None] + turn_weight * credit  # (B, K)
@@ -272,7 +326,7 @@ def turn_advantages(
         width = max(1, max(len(row) for row in turn_rewards))
         returns = _discounted_returns(r, turn_rewards, gamma, turn_weight, width)  # (B, K) R_{b,k}
         per_turn = torch.stack(
-            [_normalize(returns[:, k], group_size, scale, eps) for k in range(width)], dim=1
+            [_normalize_kept(returns[:, k], keep, group_size, scale, eps) for k in range(width)], dim=1
         )  # (B, K)
 
     index = turn_ids.clamp(0, per_turn.shape[1] - 1)  # (B, T) safe gather index; masked tokens dropped below

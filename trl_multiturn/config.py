@@ -8,8 +8,14 @@ through :class:`~trl_multiturn.batching.BatchPlan`, which checks every combinati
 (``TrainingArguments`` already owns a ``train_batch_size`` property, hence ``prompts_per_rollout``.)
 
 Departure from TRL: the policy loss is aggregated by ``loss_aggregation`` (VeRL's modes, default the per-trajectory
-N_g normalization "seq-mean-token-mean") with mini-batch-global normalizers; TRL's ``loss_type`` is not used by
-this trainer. ``bf16`` defaults to False unless the machine supports it.
+N_g normalization "seq-mean-token-mean") with mini-batch-global normalizers. TRL's ``loss_type``, when set, is mapped
+onto it (:data:`LOSS_TYPE_AGGREGATION`; a ``loss_type`` and a ``loss_aggregation`` that disagree raise); left unset,
+the project's default applies, not TRL's "dapo". ``bf16`` defaults to False unless the machine supports it.
+
+Every field of ``GRPOConfig`` is either honored or refused: :data:`GRPO_FIELDS` says how this trainer treats each one
+TRL adds, :data:`TRAINER_FIELDS` lists the ``TrainingArguments`` fields that transformers' ``Trainer`` applies, and
+:func:`check_trl_fields` raises on a value this trainer would otherwise ignore (``__post_init__`` and the trainer's
+constructor both call it).
 """
 
 from __future__ import annotations
@@ -27,6 +33,218 @@ def _bf16_supported() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# How MultiTurnGRPOTrainer treats every field of TRL's GRPOConfig (tests/test_config_fields.py walks them all).
+
+HONORED, REFUSED = "honored", "refused"
+
+#: The project's default aggregation (per-trajectory N_g normalization), used when neither field is set.
+DEFAULT_AGGREGATION = "seq-mean-token-mean"
+
+#: Each ``GRPOConfig`` field that is not a plain ``TrainingArguments`` field (plus the two ``TrainingArguments``
+#: fields this trainer's loss bypasses): ``(HONORED, where / how)`` or ``(REFUSED, what to use instead)``. A refused
+#: field raises at construction when it differs from TRL's default; :data:`_CONDITIONS` adds the honored fields that
+#: are refused only for some values.
+GRPO_FIELDS: dict[str, tuple[str, str]] = {
+    # model loading
+    "model_init_kwargs": (HONORED, "TRL's constructor loads a model given by name with them."),
+    "trust_remote_code": (HONORED, "TRL's constructor (model loading, vLLM engine)."),
+    "router_aux_loss_coef": (REFUSED, "the MoE load-balancing loss is not added by this trainer: leave it None or 0.0 "
+                                      "on dense models; on a MoE model whose config declares a coefficient, set "
+                                      "router_aux_loss_coef=0.0 to train without the auxiliary loss"),
+    "disable_dropout": (HONORED, "TRL's constructor; default True here."),
+    "cast_lm_head_to_fp32": (HONORED, "TRL's fused LM head, which every training forward of this trainer calls."),
+    # generation
+    "num_generations": (HONORED, "G, the group size (rollout and advantages)."),
+    "num_generations_eval": (HONORED, "G of evaluation rollouts and advantages."),
+    "max_completion_length": (HONORED, "the token budget of a whole trajectory (actions and observations)."),
+    "ds3_gather_for_generation": (HONORED, "passed to unwrap_model_for_generation around the rollout."),
+    "shuffle_dataset": (HONORED, "TRL's train sampler."),
+    "pad_to_multiple_of": (REFUSED, "micro-batches are re-padded to their own width (balance_micro_batches, "
+                                    "compact_padding); leave it 'auto' (None off Neuron)"),
+    "generation_batch_size": (HONORED, "TRL's rollout size; must give whole optimizer steps (see "
+                                       "steps_per_generation)."),
+    "steps_per_generation": (HONORED, "micro-batches per device per rollout; a multiple of "
+                                      "gradient_accumulation_steps."),
+    "temperature": (HONORED, "sampling of every turn; log-probs under logits / temperature (fused LM head)."),
+    "top_p": (HONORED, "nucleus filtering of every turn (both generators)."),
+    "top_k": (HONORED, "top-k filtering of every turn (both generators)."),
+    "min_p": (HONORED, "min-p filtering of every turn (Transformers generator; refused with use_vllm, whose log-probs "
+                       "would be those of the filtered distribution)."),
+    "generation_kwargs": (HONORED, "extra vLLM sampling parameters (use_vllm=True only)."),
+    "chat_template_kwargs": (REFUSED, "the protocol renders prompts and observations itself; render the prompt "
+                                      "text in the environment's reset() or configure the protocol"),
+    "repetition_penalty": (REFUSED, "a penalized sampling distribution is not the policy the loss scores; leave it "
+                                    "1.0"),
+    "cache_implementation": (REFUSED, "the Transformers generator manages its own KV cache across turns; leave it "
+                                      "None"),
+    "use_vllm": (HONORED, "turns are sampled by TRL's vLLM engine (VLLMGenerator)."),
+    "vllm_mode": (HONORED, "TRL's vLLM engine: 'colocate' or 'server'."),
+    "vllm_model_impl": (HONORED, "TRL's vLLM engine."),
+    "vllm_enable_sleep_mode": (REFUSED, "vLLM's KV cache would sleep between the turns of a rollout; leave it False"),
+    "vllm_structured_outputs_regex": (REFUSED, "multi-turn actions are parsed by the protocol; leave it None"),
+    "vllm_server_base_url": (HONORED, "TRL's vLLM client."),
+    "vllm_server_host": (HONORED, "TRL's vLLM client."),
+    "vllm_server_port": (HONORED, "TRL's vLLM client."),
+    "vllm_server_timeout": (HONORED, "TRL's vLLM client."),
+    "vllm_group_port": (HONORED, "TRL's vLLM weight sync."),
+    "vllm_gpu_memory_utilization": (HONORED, "TRL's colocated vLLM engine."),
+    "vllm_max_model_length": (HONORED, "TRL's colocated vLLM engine."),
+    "vllm_tensor_parallel_size": (HONORED, "TRL's colocated vLLM engine; collectives of VLLMGenerator."),
+    # loss
+    "beta": (HONORED, "KL penalty to the reference model (k3), aggregated like the policy loss."),
+    "num_iterations": (HONORED, "passes over each rollout (ppo_epochs)."),
+    "epsilon": (HONORED, "eps_low of the clip range."),
+    "delta": (HONORED, "two-sided clipping: the unclipped ratio is capped at delta (trl_multiturn.loss.policy_loss)."),
+    "epsilon_high": (HONORED, "eps_high of the clip range."),
+    "sapo_temperature_neg": (REFUSED, "only used by loss_type='sapo', which this trainer does not support"),
+    "sapo_temperature_pos": (REFUSED, "only used by loss_type='sapo', which this trainer does not support"),
+    "vespo_k_pos": (REFUSED, "only used by loss_type='vespo', which this trainer does not support"),
+    "vespo_lambda_pos": (REFUSED, "only used by loss_type='vespo', which this trainer does not support"),
+    "vespo_k_neg": (REFUSED, "only used by loss_type='vespo', which this trainer does not support"),
+    "vespo_lambda_neg": (REFUSED, "only used by loss_type='vespo', which this trainer does not support"),
+    "importance_sampling_level": (HONORED, "'token' or 'sequence' (GSPO) ratios in trl_multiturn.loss.policy_loss."),
+    "reward_weights": (HONORED, "one weight per reward function; the environment reward gets weight 1."),
+    "multi_objective_aggregation": (HONORED, "'sum_then_normalize' (weighted sum, then group advantages) only."),
+    "scale_rewards": (HONORED, "advantage scale of this trainer's group advantages."),
+    "loss_type": (HONORED, "mapped onto loss_aggregation (resolve_loss_aggregation)."),
+    "mask_truncated_completions": (HONORED, "trajectories cut by a limit carry no loss (the rollout's truncation "
+                                            "flag)."),
+    "sync_ref_model": (HONORED, "TRL's reference-model sync callback."),
+    "ref_model_mixup_alpha": (HONORED, "TRL's reference-model sync callback."),
+    "ref_model_sync_steps": (HONORED, "TRL's reference-model sync callback."),
+    "top_entropy_quantile": (REFUSED, "the loss is not masked by token entropy; leave it 1.0"),
+    "entropy_coef": (REFUSED, "no entropy bonus is added to the loss; leave it 0.0"),
+    "use_adaptive_entropy": (REFUSED, "no entropy bonus is added to the loss; leave it False"),
+    "entropy_coef_min": (REFUSED, "only used by the adaptive entropy bonus, which this trainer does not add"),
+    "entropy_coef_max": (REFUSED, "only used by the adaptive entropy bonus, which this trainer does not add"),
+    "entropy_coef_delta": (REFUSED, "only used by the adaptive entropy bonus, which this trainer does not add"),
+    "entropy_target": (REFUSED, "only used by the adaptive entropy bonus, which this trainer does not add"),
+    "max_tool_calling_iterations": (REFUSED, "TRL's tool loop is not used; set max_turns"),
+    "vllm_importance_sampling_correction": (HONORED, "TRL computes the ratio; compute_loss weights the advantages."),
+    "vllm_importance_sampling_mode": (HONORED, "TRL's vLLM importance-sampling ratio."),
+    "vllm_importance_sampling_clip_max": (HONORED, "TRL's vLLM importance-sampling ratio."),
+    "vllm_importance_sampling_clip_min": (HONORED, "TRL's vLLM importance-sampling ratio."),
+    "vllm_importance_sampling_cap": (HONORED, "deprecated alias of vllm_importance_sampling_clip_max (TRL)."),
+    "off_policy_mask_threshold": (REFUSED, "off-policy sequence masking is not applied; leave it None"),
+    "use_bias_correction_kl": (HONORED, "with beta != 0, the per-token KL is weighted by the importance ratio."),
+    # logging
+    "log_completions": (HONORED, "TRL's completion table."),
+    "log_multimodal": (HONORED, "TRL's completion table."),
+    "num_completions_to_print": (HONORED, "TRL's completion table."),
+    "log_unique_prompts": (HONORED, "TRL's completion table."),
+    "log_completions_hub_repo": (HONORED, "TRL's completion table."),
+    # generation backends this trainer does not use
+    "use_transformers_continuous_batching": (REFUSED, "the Transformers generator reuses each trajectory's KV cache "
+                                                      "across turns; leave it False, or set use_vllm=True"),
+    "transformers_continuous_batching_config": (REFUSED, "continuous batching is not used; leave it None"),
+    "use_transformers_paged": (REFUSED, "continuous batching is not used; leave it False, or set use_vllm=True"),
+    # TrainingArguments fields that transformers' Trainer applies in the compute_loss this trainer replaces
+    "label_smoothing_factor": (REFUSED, "the policy loss has no label smoothing; leave it 0.0"),
+    "average_tokens_across_devices": (REFUSED, "the loss normalizers always span every device; leave it True"),
+}
+
+#: ``TrainingArguments`` fields that transformers' ``Trainer`` (and TRL's constructor) apply as usual.
+TRAINER_FIELDS = frozenset("""
+    output_dir per_device_train_batch_size num_train_epochs max_steps learning_rate lr_scheduler_type
+    lr_scheduler_kwargs warmup_steps optim optim_args weight_decay adam_beta1 adam_beta2 adam_epsilon
+    optim_target_modules gradient_accumulation_steps max_grad_norm bf16 fp16 bf16_full_eval fp16_full_eval tf32
+    activation_checkpointing activation_checkpointing_kwargs gradient_checkpointing gradient_checkpointing_kwargs
+    torch_compile torch_compile_backend torch_compile_mode use_liger_kernel liger_kernel_config use_cache
+    neftune_noise_alpha torch_empty_cache_steps auto_find_batch_size logging_strategy logging_steps logging_first_step
+    log_on_each_node logging_nan_inf_filter include_num_input_tokens_seen log_level log_level_replica disable_tqdm
+    report_to run_name project trackio_space_id trackio_bucket_id trackio_static_space_id eval_strategy eval_steps
+    eval_delay per_device_eval_batch_size prediction_loss_only eval_on_start eval_do_concat_batches
+    eval_use_gather_object eval_accumulation_steps include_for_metrics batch_eval_metrics save_only_model
+    save_strategy save_steps save_on_each_node save_total_limit enable_jit_checkpoint push_to_hub hub_token
+    hub_private_repo hub_model_id hub_strategy hub_always_push hub_revision load_best_model_at_end
+    metric_for_best_model greater_is_better ignore_data_skip restore_callback_states_from_checkpoint
+    full_determinism seed data_seed use_cpu accelerator_config parallelism_config dataloader_drop_last
+    dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers dataloader_prefetch_factor
+    dataloader_multiprocessing_context dataloader_in_order remove_unused_columns label_names
+    train_sampling_strategy length_column_name ddp_find_unused_parameters ddp_bucket_cap_mb ddp_broadcast_buffers
+    ddp_static_graph ddp_backend ddp_timeout fsdp fsdp_config deepspeed debug skip_memory_metrics do_train do_eval
+    do_predict resume_from_checkpoint local_rank
+""".split())
+
+#: Honored fields refused for some values: ``name -> (accepted(value, args), what to use instead)``.
+_CONDITIONS = {
+    "generation_kwargs": (lambda v, a: not v or a.use_vllm,
+                          "only the vLLM generator takes extra sampling parameters; set use_vllm=True or leave it "
+                          "None"),
+    "multi_objective_aggregation": (lambda v, a: v == "sum_then_normalize",
+                                    "advantages are computed from the weighted sum of the rewards; use "
+                                    "'sum_then_normalize'"),
+    "importance_sampling_level": (lambda v, a: v in ("token", "sequence"), "use 'token' or 'sequence'"),
+    "router_aux_loss_coef": (lambda v, a: not v, GRPO_FIELDS["router_aux_loss_coef"][1]),
+    "min_p": (lambda v, a: not v or (0.0 < v <= 1.0 and not a.use_vllm),
+              "use a value in (0, 1] with the Transformers generator (use_vllm=False), or top_p / top_k"),
+    "pad_to_multiple_of": (lambda v, a: v in (None, "auto"), GRPO_FIELDS["pad_to_multiple_of"][1]),
+}
+
+
+def _trl_default(name: str):
+    from dataclasses import MISSING, fields
+
+    f = next(f for f in fields(GRPOConfig) if f.name == name)
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+
+
+def resolve_loss_aggregation(loss_type: str | None, loss_aggregation: str | None) -> str:
+    """The VeRL aggregation mode from TRL's ``loss_type`` and this config's ``loss_aggregation`` (either may be None).
+
+    ``loss_type`` maps as ``trl_multiturn.loss.AGGREGATION_ALIASES`` ("grpo" -> "seq-mean-token-mean", "dr_grpo" ->
+    "seq-mean-token-sum-norm", "dapo" and "bnpo" -> "token-mean"); with neither set, :data:`DEFAULT_AGGREGATION`.
+    Raises when both are set and disagree, or for a TRL loss this trainer does not compute."""
+    from .loss import AGGREGATION_ALIASES, canonical_aggregation
+
+    aggregation = None if loss_aggregation is None else canonical_aggregation(loss_aggregation)
+    if loss_type is None:
+        return aggregation or DEFAULT_AGGREGATION
+    if loss_type not in AGGREGATION_ALIASES:
+        raise ValueError(
+            f"loss_type={loss_type!r} is not supported by MultiTurnGRPOTrainer (its clipped loss is GRPO's); use one "
+            f"of {sorted(AGGREGATION_ALIASES)}, or leave loss_type unset and choose loss_aggregation."
+        )
+    mapped = AGGREGATION_ALIASES[loss_type]
+    if aggregation is not None and aggregation != mapped:
+        raise ValueError(
+            f"loss_type={loss_type!r} means loss_aggregation={mapped!r}, but loss_aggregation={loss_aggregation!r} was "
+            "also set. Set only one of them (loss_aggregation is the one this trainer reads), or make them agree."
+        )
+    return mapped
+
+
+def check_trl_fields(args) -> None:
+    """Raise ValueError naming every field of ``args`` that this trainer would ignore (see :data:`GRPO_FIELDS`),
+    a ``loss_type`` that disagrees with ``loss_aggregation``, and a rollout that does not hold whole optimizer steps
+    (``steps_per_generation`` not a multiple of ``gradient_accumulation_steps``)."""
+    problems = []
+    for name, (status, alternative) in GRPO_FIELDS.items():
+        value = getattr(args, name)
+        if name in _CONDITIONS:
+            accepted, alternative = _CONDITIONS[name]
+            ok = accepted(value, args)
+        else:
+            ok = status == HONORED or value == _trl_default(name)
+        if not ok:
+            problems.append(f"{name}={value!r} is not supported by MultiTurnGRPOTrainer: {alternative}.")
+    if problems:
+        raise ValueError(" ".join(problems))
+    resolve_loss_aggregation(args.loss_type, args.loss_aggregation)  # raises on a disagreeing pair
+    steps, accum = args.steps_per_generation, args.gradient_accumulation_steps
+    if steps is not None and steps % accum != 0:
+        good = max(1, round(steps / accum)) * accum
+        raise ValueError(
+            f"steps_per_generation={steps} (generation_batch_size={args.generation_batch_size}) is not a multiple "
+            f"of gradient_accumulation_steps={accum}: a "
+            "rollout must hold whole optimizer steps, since each optimizer step's loss is normalized over its own "
+            f"mini-batch. Set steps_per_generation to a multiple of {accum} (e.g. {good}, generation_batch_size = "
+            f"{good} x per_device_train_batch_size x processes), leave both unset (one optimizer step per rollout), "
+            "or give prompts_per_rollout / mini_batch_size / micro_batch_size."
+        )
 
 
 @dataclass
@@ -50,11 +268,18 @@ class MultiTurnGRPOConfig(GRPOConfig):
 
     > Parameters that control the loss and the advantages
 
-    loss_aggregation (`str`, defaults to `"seq-mean-token-mean"`): VeRL's `loss_agg_mode`.
+    loss_aggregation (`str` or `None`): VeRL's `loss_agg_mode`; None: from `loss_type` when set, else
+        `"seq-mean-token-mean"`.
+    loss_type (`str` or `None`; TRL: `"dapo"`): TRL's name of the aggregation, mapped onto `loss_aggregation`.
     turn_advantage (`str`, defaults to `"trajectory"`): "trajectory", "mt-grpo" or "discounted".
     turn_advantage_gamma (`float`, defaults to `1.0`): discount for "discounted".
     turn_advantage_weight (`float`, defaults to `1.0`): weight of the turn-level term for "mt-grpo".
     advantage_eps (`float`, defaults to `1e-6`): epsilon in `(r - mean) / (std + eps)` (VeRL's value).
+
+    > Parameters that control dynamic sampling (DAPO)
+
+    dynamic_sampling (`bool`, defaults to `False`): drop groups without reward variance and refill the rollout.
+    max_dynamic_sampling_rounds (`int`, defaults to `4`): the most refill rounds per rollout.
 
     > Parameters that control the batch plan (VeRL's knobs; all or none of the first three)
 
@@ -99,12 +324,23 @@ class MultiTurnGRPOConfig(GRPOConfig):
     )
 
     # > Parameters that control the loss and advantages
-    loss_aggregation: str = field(
-        default="seq-mean-token-mean",
+    loss_aggregation: str | None = field(
+        default=None,
         metadata={
             "help": "How per-token losses become the mini-batch loss (VeRL's loss_agg_mode): 'seq-mean-token-mean' "
-            "(per-trajectory N_g normalization, default), 'token-mean', 'seq-mean-token-sum', "
-            "'seq-mean-token-sum-norm'. TRL aliases: 'grpo', 'bnpo', 'dr_grpo'."
+            "(per-trajectory N_g normalization), 'token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm'. "
+            "TRL aliases: 'grpo', 'bnpo', 'dapo', 'dr_grpo'. None (default): from loss_type when that is set, else "
+            "'seq-mean-token-mean'. Normalizers always span the whole mini-batch (all micro-batches and devices)."
+        },
+    )
+    loss_type: str | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's name of the loss (TRL's default: 'dapo'), mapped onto loss_aggregation: 'grpo' -> "
+            "'seq-mean-token-mean', 'dr_grpo' -> 'seq-mean-token-sum-norm' (divided by max_completion_length), "
+            "'dapo' and 'bnpo' -> 'token-mean'. None (default): not set, loss_aggregation decides (project default "
+            "'seq-mean-token-mean', not TRL's 'dapo'). Setting both to disagreeing values raises; 'cispo', 'sapo', "
+            "'vespo' and 'luspo' are refused."
         },
     )
     turn_advantage: str = field(
@@ -180,6 +416,26 @@ class MultiTurnGRPOConfig(GRPOConfig):
         },
     )
 
+    # > Parameters that control dynamic sampling
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's over-sample and filter: drop the groups whose rewards are all equal (they have advantage "
+            "0 and carry no gradient) and roll out more prompts, drawn from the training set, until the rollout holds "
+            "prompts_per_rollout groups with reward variance (see max_dynamic_sampling_rounds). Needs a map-style "
+            "train_dataset and whole groups on every rank."
+        },
+    )
+    max_dynamic_sampling_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "With dynamic_sampling: the most refill rounds per rollout, each rolling out at most one "
+            "rollout's prompts, so a rollout samples at most (1 + this) x prompts_per_rollout prompts. When the cap "
+            "is hit, the missing places are filled with dropped groups whose loss mask is 0: the loss and its "
+            "normalizers are those of the kept trajectories."
+        },
+    )
+
     # > Parameters that control the batch plan
     prompts_per_rollout: int | None = field(
         default=None,
@@ -208,11 +464,12 @@ class MultiTurnGRPOConfig(GRPOConfig):
         from .advantages import VALID_TURN_ADVANTAGES
         from .loss import VALID_AGGREGATIONS
 
-        if self.loss_aggregation not in VALID_AGGREGATIONS:
+        if self.loss_aggregation is not None and self.loss_aggregation not in VALID_AGGREGATIONS:
             raise ValueError(
                 f"loss_aggregation={self.loss_aggregation!r} is not supported; choose one of {list(VALID_AGGREGATIONS)} "
                 "(default 'seq-mean-token-mean')."
             )
+        self.loss_aggregation = resolve_loss_aggregation(self.loss_type, self.loss_aggregation)
         checks = (  # (field, valid?, what a valid value looks like)
             ("ppo_epochs", self.ppo_epochs is None or self.ppo_epochs >= 1, "an int >= 1, e.g. 1"),
             ("max_tokens_per_turn", self.max_tokens_per_turn is None or self.max_tokens_per_turn >= 1,
@@ -225,6 +482,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
             ("advantage_eps", self.advantage_eps >= 0 and math.isfinite(self.advantage_eps), "a number >= 0, e.g. 1e-6"),
             ("scale_rewards", self.scale_rewards in ("group", "batch", "none", True, False), "'group', 'batch' or 'none'"),
             ("on_long_prompt", self.on_long_prompt in ("error", "skip"), "'error' or 'skip'"),
+            ("max_dynamic_sampling_rounds", isinstance(self.max_dynamic_sampling_rounds, int)
+             and self.max_dynamic_sampling_rounds >= 0, "an int >= 0, e.g. 4 (0: no refill; groups without signal still leave the loss)"),
         )
         for name, valid, alternative in checks:
             if not valid:
@@ -290,3 +549,4 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 "without GPUs also pass --use_cpu true (or set ACCELERATE_USE_CPU=true), without which accelerate "
                 "leaves every process on its own."
             )
+        check_trl_fields(self)

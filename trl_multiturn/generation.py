@@ -48,6 +48,7 @@ top-k / top-p filtering (greedy decoding: under the raw logits).
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -67,6 +68,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     greedy: bool = False
     stop_strings: tuple[str, ...] = ()
 
@@ -144,8 +146,10 @@ def _cache_of(output):
     return getattr(output, "cache", None) if _CACHE_KWARG == "cache" else output.past_key_values
 
 
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits outside top-k / top-p with -inf. logits: (B, V)."""
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask logits outside top-k / top-p / min-p with -inf, in transformers' order. logits: (B, V). min-p drops the
+    tokens whose probability is below ``min_p`` times the most likely one's (a ratio, so the order after top-p
+    does not matter)."""
     if top_k and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))  # (B, V)
@@ -155,6 +159,10 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # (B, V) keep the token that crosses top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # (B, V) back to vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))  # (B, V)
+    if min_p and min_p > 0.0:
+        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
+        floor = logp.max(dim=-1, keepdim=True).values + math.log(min_p)  # (B, 1) log(min_p * p_max)
+        logits = logits.masked_fill(logp < floor, float("-inf"))  # (B, V)
     return logits
 
 
@@ -699,7 +707,7 @@ class TransformersGenerator:
         else:
             scaled = logits / max(params.temperature, 1e-6)  # (A, V)
             logp = torch.log_softmax(scaled, dim=-1)  # (A, V)
-            probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p), dim=-1)  # (A, V)
+            probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p, params.min_p), dim=-1)  # (A, V)
             cdf = probs.double().cumsum(dim=-1)  # (A, V)
             # inverse-CDF sampling with one uniform per row from the row's own stream: u in (0, 1] never lands on a
             # zero-probability token (its CDF step is empty)
@@ -759,7 +767,7 @@ class TransformersGenerator:
             if params.greedy:
                 next_ids = scaled.argmax(dim=-1)  # (A,)
             else:
-                probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p), dim=-1)  # (A, V)
+                probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p, params.min_p), dim=-1)  # (A, V)
                 next_ids = torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(-1).to(device)  # (A,)
             chosen_logp = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)  # (A,)
             for row, i in enumerate(active):

@@ -5,6 +5,9 @@ Per token (only where ``mask`` is 1, i.e. on tokens the policy sampled):
     rho   = exp(clamp(logp - logp_old, -20, 20))
     l_t   = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))           VeRL compute_policy_loss, dual-clip off
 
+with TRL's options: ``delta`` replaces the first ``rho`` by ``min(rho, delta)`` (two-sided clipping), and
+``importance_sampling_level="sequence"`` (GSPO) uses one ``log rho`` per trajectory, the mean over its tokens.
+
 then one scalar from the (B, T) matrix ``l`` by :func:`aggregate_loss` (VeRL's four ``loss_agg_mode`` values, TRL's
 ``loss_type`` names as aliases). The project default is "seq-mean-token-mean": each trajectory's tokens are
 averaged over its own N_g sampled tokens, then trajectories are averaged.
@@ -27,7 +30,12 @@ from typing import Any
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-AGGREGATION_ALIASES = {"grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm", "bnpo": "token-mean"}
+#: TRL 1.16 ``loss_type`` -> mode. TRL's "dapo" normalizes by the tokens of the whole accumulation window, as
+#: "token-mean" here; TRL's "bnpo", "grpo" and "dr_grpo" use each micro-batch's own counts, where this package always uses the
+#: mini-batch's (split-invariant); "dr_grpo" divides by max_completion_length (the caller's ``norm_constant``).
+AGGREGATION_ALIASES = {
+    "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm", "bnpo": "token-mean", "dapo": "token-mean",
+}
 VALID_AGGREGATIONS = AGGREGATIONS + tuple(AGGREGATION_ALIASES)
 KL_ESTIMATORS = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 
@@ -83,7 +91,9 @@ def aggregate_loss(
     - "token-mean" (TRL "bnpo"):            ``sum_{b,t} l_bt / N``
     - "seq-mean-token-sum":                 ``1/|S| sum_{b in S} sum_t l_bt``
     - "seq-mean-token-mean" (TRL "grpo"):   ``1/|S| sum_{b in S} (1/N_b) sum_t l_bt``            project default
-    - "seq-mean-token-sum-norm" (TRL "dr_grpo"): ``1/|S| sum_{b in S} sum_t l_bt / norm_constant``
+    - "seq-mean-token-sum-norm" (TRL "dr_grpo"): ``1/|S| sum_{b in S} sum_t l_bt / norm_constant``; VeRL's
+      ``agg_loss`` divides the token sum by the horizon only (no ``1/|S|``), and its actor then by the number of
+      micro-batches, a scale of micro-batch size times this one (docs/math.md, section 3)
 
     Args:
         loss_mat: (B, T) per-token loss; values where ``mask`` is 0 are ignored (even NaN / inf).
@@ -138,6 +148,28 @@ def _masked_mean(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m, values, torch.zeros_like(values)).sum() / m.sum().clamp(min=1)
 
 
+def log_importance_weights(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
+    """``log rho`` per token, (B, T): "token" ``clamp(logp - logp_old, -20, 20)`` (VeRL's clamp); "sequence" (GSPO,
+    TRL's ``importance_sampling_level="sequence"``) each row's mean of those over its mask-1 tokens, on every column.
+
+    Args:
+        logprobs: (B, T) current log-probs (carries the gradient). old_logprobs: (B, T). mask: (B, T) 1 = loss token.
+        level: "token" or "sequence".
+    """
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level={level!r} is not valid; use 'token' or 'sequence'.")
+    m = mask.bool()  # (B, T)
+    logp = torch.where(m, logprobs, torch.zeros_like(logprobs))  # (B, T) mask-0 values replaced, grad 0 there
+    logp_old = torch.where(m, old_logprobs, torch.zeros_like(old_logprobs))  # (B, T)
+    log_ratio = torch.clamp(logp - logp_old, min=-20.0, max=20.0)  # (B, T) log rho, clamped as VeRL
+    if level == "token":
+        return log_ratio  # (B, T)
+    seq = log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # (B, 1) mean over the row's tokens
+    return seq.expand_as(log_ratio)  # (B, T)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -150,6 +182,8 @@ def policy_loss(
     global_num_sequences: int | float | torch.Tensor | None = None,
     global_num_tokens: int | float | torch.Tensor | None = None,
     norm_constant: int | float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO/GRPO policy loss (VeRL ``compute_policy_loss``, dual-clip off) aggregated by :func:`aggregate_loss`.
 
@@ -161,6 +195,10 @@ def policy_loss(
         epsilon_low, epsilon_high: the clip range ``[1 - epsilon_low, 1 + epsilon_high]`` (TRL ``epsilon``,
             ``epsilon_high``; VeRL ``clip_ratio_low``, ``clip_ratio_high``).
         aggregation, global_num_sequences, global_num_tokens, norm_constant: passed to :func:`aggregate_loss`.
+        delta: two-sided clipping (TRL ``delta``): the unclipped term uses ``min(rho, delta)``, so a negative
+            advantage cannot weigh more than ``delta`` per token. None: off.
+        importance_sampling_level: "token" (PPO/GRPO) or "sequence" (GSPO: one ratio per trajectory, the exp of the
+            mean token log-ratio); see :func:`log_importance_weights`.
 
     Returns:
         ``(loss, stats)``. ``loss`` () is what to backpropagate. ``stats`` holds detached 0-dim tensors:
@@ -184,13 +222,12 @@ def policy_loss(
 
     m = mask.bool()  # (B, T)
     adv = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages  # (B, T)
-    logp = torch.where(m, logprobs, torch.zeros_like(logprobs))  # (B, T) mask-0 values replaced, grad 0 there
-    logp_old = torch.where(m, old_logprobs, torch.zeros_like(old_logprobs))  # (B, T)
     adv = torch.where(m, adv, torch.zeros_like(adv))  # (B, T)
 
-    log_ratio = torch.clamp(logp - logp_old, min=-20.0, max=20.0)  # (B, T) log rho, clamped as VeRL
+    log_ratio = log_importance_weights(logprobs, old_logprobs, mask, importance_sampling_level)  # (B, T) log rho
     ratio = torch.exp(log_ratio)  # (B, T) rho
-    loss_unclipped = -adv * ratio  # (B, T) -A rho
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)  # (B, T) min(rho, delta): two-sided clip
+    loss_unclipped = -adv * capped  # (B, T) -A rho
     loss_clipped = -adv * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)  # (B, T) -A clip(rho)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)  # (B, T) pessimistic bound
     loss = aggregate_loss(
@@ -251,3 +288,37 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
         return 0.5 * diff.square()  # (B, T)
     neg = torch.clamp(-diff, min=-20.0, max=20.0)  # (B, T) logp_ref - logp
     return torch.clamp(torch.exp(neg) - neg - 1.0, min=-10.0, max=10.0)  # (B, T) k3
+
+
+def sampler_learner_gap(
+    sampling_logprobs: torch.Tensor, learner_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How far the generator's log-probs are from the learner's on the tokens it sampled, as sums to pool over shards.
+
+    With ``q`` the sampler (the generation backend) and ``p`` the learner at the same parameters (pi_old), on each
+    mask-1 token with a finite sampling log-prob, ``d = log p - log q``:
+
+        abs  = |d|                        mean: ``rollout/sampler_logp_diff``
+        kl   = exp(d) - 1 - d  (>= 0)     mean: ``rollout/sampler_kl``, the k3 estimate of KL(q || p) on q's samples
+
+    Both are 0 when the sampler and the learner agree; a gap means the loss's ratio is taken against a policy that
+    did not sample the data (kernels, precision, a stale engine, or logit processing in the sampler).
+
+    Args:
+        sampling_logprobs: (B, T) the sampler's log-prob of each sampled token; NaN where unknown (ignored).
+        learner_logprobs: (B, T) the learner's, e.g. ``old_per_token_logps``. mask: (B, T) 1 on loss tokens.
+
+    Returns:
+        ``(sum abs, sum kl, count)``: three 0-dim tensors; divide the pooled sums by the pooled count.
+    """
+    if not (sampling_logprobs.shape == learner_logprobs.shape == mask.shape):
+        raise ValueError(
+            f"sampling_logprobs {tuple(sampling_logprobs.shape)}, learner_logprobs {tuple(learner_logprobs.shape)} "
+            f"and mask {tuple(mask.shape)} must have the same (B, T) shape."
+        )
+    q = sampling_logprobs.detach().float()  # (B, T)
+    p = learner_logprobs.detach().float()  # (B, T)
+    m = mask.bool() & torch.isfinite(q) & torch.isfinite(p)  # (B, T) tokens with both log-probs
+    d = torch.where(m, p - q, torch.zeros_like(p)).clamp(-20.0, 20.0)  # (B, T) log p - log q, 0 off the mask
+    kl = torch.exp(d) - 1.0 - d  # (B, T) k3, 0 where d = 0
+    return d.abs().sum(), kl.sum(), m.sum()  # (), (), ()

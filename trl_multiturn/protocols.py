@@ -270,10 +270,6 @@ class ChatToolProtocol(Protocol):
         return _render_prompt_ids(tokenizer, prompt, True, tools=tools)
 
     def parse(self, text: str, finished_by_eos: bool = True) -> Action:
-        if not finished_by_eos:
-            # A message ends at EOS; without it the turn was cut (max_tokens_per_turn) and is neither a finished
-            # tool call nor a final answer.
-            return Action(kind="invalid", text=text, cut=True, error="the message was cut before it ended (no EOS)")
         match = _TOOL_CALL_RE.search(text)
         if match is None:
             if "<tool_call>" in text:

@@ -310,10 +310,10 @@ class MultiTurnRollout:
             # Cut by max_tokens_per_turn before the protocol's end of turn: whatever it parses as, it is not a
             # finished action (a chat message without EOS is not a final answer). The environment answers it as an
             # invalid action and the trajectory goes on.
-            action = Action(
-                kind="invalid", text=text, cut=True,
-                error=f"the turn reached max_tokens_per_turn={self.config.max_tokens_per_turn} tokens before it ended",
-            )
+            if action.kind == "invalid":
+                action.cut = True
+            else:
+                action = Action(kind="invalid", text=text, cut=True, error="turn cut by max_tokens_per_turn")
         t.info["actions"].append(action.kind)
         if action.kind == "answer":
             t.info["final_answer"] = action.content

@@ -12,15 +12,21 @@ How it plugs into TRL 1.16 (thin, through its seams):
 * ``_prepare_inputs`` (train mode) cuts the rollout into micro-batches keeping GRPO groups whole (groups are
   shuffled, not their members) and attaches to each micro-batch the sequence and token counts of its mini-batch
   over all ranks, so accumulated micro-batch losses equal the mini-batch loss for every aggregation mode;
-* ``compute_loss`` computes the policy loss with ``trl_multiturn.loss`` (not TRL's ``loss_type``).
+* ``compute_loss`` computes the policy loss with ``trl_multiturn.loss`` (TRL's ``delta``,
+  ``importance_sampling_level`` and ``use_bias_correction_kl`` included).
 
-Departures from TRL's ``GRPOTrainer``: ``loss_aggregation`` replaces ``loss_type``; ``advantage_eps`` (1e-6, VeRL)
+Every ``GRPOConfig`` field is honored or refused at construction (``trl_multiturn.config.GRPO_FIELDS``); the private
+TRL members used here are checked by tests/test_trl_seams.py.
+
+Departures from TRL's ``GRPOTrainer``: ``loss_aggregation`` (TRL's ``loss_type`` mapped onto it; unset, the project
+default "seq-mean-token-mean" rather than TRL's "dapo") with mini-batch-global normalizers; ``advantage_eps`` (1e-6, VeRL)
 replaces TRL's 1e-4; groups stay whole inside mini-batches; trajectories whose environment failed or whose reward is
 not finite are dropped from the loss and from their group's baseline.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections import Counter, defaultdict
@@ -30,15 +36,18 @@ from typing import Any, Callable
 import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
-from trl.models.utils import unwrap_model_for_generation
+from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 from trl.trainer.utils import split_tensor_dict
 
 from .advantages import group_advantages, turn_advantages
 from .batching import balanced_partition, first_fit_decreasing
 from .checkpointing import AtomicCheckpointMixin
-from .config import MultiTurnGRPOConfig
+from .config import MultiTurnGRPOConfig, check_trl_fields
+from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_scored_rows, next_refill
 from .generation import SamplingParams, TransformersGenerator, VLLMGenerator
-from .loss import aggregate_loss, kl_penalty, loss_normalizers, policy_loss
+from .loss import (
+    aggregate_loss, kl_penalty, log_importance_weights, loss_normalizers, policy_loss, sampler_learner_gap,
+)
 from .protocols import ChatToolProtocol, Protocol, TagProtocol
 from .rollout import MultiTurnRollout, RolloutConfig
 from .trajectory import Trajectory
@@ -59,8 +68,9 @@ _env_reward.__name__ = "env_reward"
 
 
 class _SkipEmptyUpdate(TrainerCallback):
-    """Skips the optimizer update of a step whose rollout lost every trajectory (environment failures, non-finite
-    rewards, skipped prompts). Its gradient is zero, but Adam would still move the parameters with the moments of
+    """Skips the optimizer update of a step whose rollout has no loss token on any rank: every trajectory dropped
+    (environment failures, non-finite rewards, skipped prompts) or masked (``mask_truncated_completions``). Its
+    gradient is zero, but Adam would still move the parameters with the moments of
     earlier steps; with the gradients set to None the optimizer leaves parameters, moments and step count alone."""
 
     def __init__(self, trainer: "MultiTurnGRPOTrainer"):
@@ -108,14 +118,11 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             args = MultiTurnGRPOConfig("multiturn-grpo")
         if not isinstance(args, MultiTurnGRPOConfig):
             raise TypeError(
-                f"args must be a MultiTurnGRPOConfig, got {type(args).__name__}. Build it with "
-                "MultiTurnGRPOConfig(**your_grpo_config.to_dict())."
+                f"args must be a MultiTurnGRPOConfig, got {type(args).__name__}. Build a MultiTurnGRPOConfig with the "
+                "keyword arguments you gave GRPOConfig (it takes every GRPOConfig field)."
             )
-        if args.use_vllm and args.vllm_enable_sleep_mode:
-            raise ValueError(
-                "vllm_enable_sleep_mode=True is not supported by multi-turn rollouts: vLLM's KV cache would be asleep "
-                "between the turns of a rollout. Set vllm_enable_sleep_mode=False."
-            )
+        check_trl_fields(args)  # again: a field may have been changed after the config was built
+        _check_vllm_logprobs(args)
         if environment_factory is None:
             raise ValueError(
                 "MultiTurnGRPOTrainer needs environment_factory (a callable returning one environment per "
@@ -138,6 +145,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 f"{type(protocol).__name__} has no stop strings, so a turn would never end at an action. Give it at "
                 "least one tool tag or an answer tag."
             )
+        protocol = copy.copy(protocol)  # configured below and validated against the tokenizer: the caller's stays as is
         if args.max_observation_tokens is not None:
             protocol.max_observation_tokens = args.max_observation_tokens
         required = tuple(getattr(probe, "required_columns", ()) or ())
@@ -163,6 +171,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                     f"reward_weights has {len(args.reward_weights)} entries but {len(user_funcs)} reward_funcs were "
                     "given; give one weight per reward function (the environment reward has weight 1)."
                 )
+            args = copy.copy(args)  # the caller's config keeps its own reward_weights (and can build another trainer)
             args.reward_weights = list(args.reward_weights) + [1.0]
 
         self.protocol = protocol
@@ -184,12 +193,19 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             peft_config=peft_config,
             rollout_func=self._rollout_func,
         )
+        if self.aux_loss_enabled:  # TRL turns the MoE auxiliary loss on from the model's config
+            raise ValueError(
+                f"{type(self.model).__name__} declares router_aux_loss_coef={self.router_aux_loss_coef} and returns "
+                "router logits, but MultiTurnGRPOTrainer does not add the MoE load-balancing loss. Set "
+                "router_aux_loss_coef=0.0 to train without it."
+            )
         # TRL decides truncation by "last token is not EOS", which is wrong for tag protocols (a turn ends at
         # </answer>); the rollout knows which trajectories hit a limit, so this trainer applies the mask itself.
         self._mask_truncated = bool(args.mask_truncated_completions)
         self._packing_checked: bool | None = None  # pack_sequences: None until checked on the first micro-batch
         self._sharing_checked: bool | None = None  # share_prompt_prefix: None until checked on the first shared batch
         self._in_packing_check = False
+        self._defer_old_logps = False  # set while TRL scores a rollout: see _get_per_token_logps_and_entropies
         self.mask_truncated_completions = False
         tokenizer = self._tokenizer
         if tokenizer.pad_token is None:
@@ -222,7 +238,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     # ------------------------------------------------------------------ rollout
     def _sampling_params(self) -> SamplingParams:
         a = self.args
-        return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0)
+        return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0, min_p=a.min_p or 0.0)
 
     def _run_rollout(self, inputs: list[dict]) -> list[Trajectory]:
         """Roll out one trajectory per input row with the current policy (eval mode, no gradients).
@@ -239,7 +255,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 self._vllm_generator = VLLMGenerator.from_trl(self.vllm_generation, self._tokenizer)
             return self.rollout.run(inputs, self._vllm_generator, self._sampling_params())
         with unwrap_model_for_generation(
-            self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+            self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
         ) as unwrapped:
             was_training = unwrapped.training
             unwrapped.eval()
@@ -282,10 +299,20 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             if "prompt" not in x:
                 x["prompt"] = self._tokenizer.decode(t.prompt_ids, skip_special_tokens=False)
         self._pending_trajectories = trajs
+        # pi_old is scored per micro-batch in _prepare_inputs, with the training pass's own forward; TRL's pass over
+        # the rollout (another layout and partition) is skipped, unless vLLM's importance sampling needs it now.
+        # In evaluation nothing is updated between scoring and the loss: pi_old is the loss's own forward.
+        generate_every = self.args.steps_per_generation * self.num_iterations  # TRL scores pi_old when this holds:
+        frozen_old = self.args.gradient_accumulation_steps % generate_every != 0
+        self._defer_old_logps = frozen_old and not (self.use_vllm and self.vllm_importance_sampling_correction)
+        deferred = self._defer_old_logps
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._pending_trajectories = None
+            self._defer_old_logps = False
+        if deferred and mode == "eval":
+            output.pop("old_per_token_logps", None)
         self._replace_advantages(output, trajs, mode)
         self._log_rollout_metrics(trajs, mode)
         self._log_rollout_speed(mode)
@@ -295,7 +322,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         """TRL counts a completion as clipped when its last token is not EOS; a multi-turn trajectory ends at the
         protocol's stop string (``</answer>``) or at ``done`` without one. Rewrite TRL's just-logged
         ``completions/clipped_ratio`` and ``completions/*_terminated_length`` with the trajectory's own truncation
-        flag (cut by ``max_completion_length``, ``max_turns`` or a turn's token limit), as ``rollout/truncated_frac``.
+        flag (cut by a token limit: ``Trajectory.truncated``), as ``rollout/truncated_frac``.
         ``truncated`` and ``lengths`` are (B_global,), already gathered by :meth:`_log_rollout_metrics`."""
         m = self._metrics[mode]
         if not m.get("completions/clipped_ratio"):
@@ -351,13 +378,12 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 " (all of them: this step's optimizer update is skipped)" if n_drop == len(dropped) else "",
                 " | ".join(reasons[:8]), " | ..." if len(reasons) > 8 else "",
             )
-        if mode == "train":
-            self._rollout_all_dropped = n_drop == len(dropped)
         for t, d, r in zip(trajs, local_dropped.tolist(), rewards[local].tolist()):
             t.reward = float("nan") if d else float(r)
 
         safe = rewards.clone()
         safe[dropped] = float("nan")
+        self._last_rewards = safe  # (B_global,) NaN where dropped; read by dynamic sampling
         scale = args.scale_rewards if args.scale_rewards in ("group", "batch", "none") else "group"
         seq_adv = _nan_aware_group_advantages(safe, group_size, scale, args.advantage_eps)  # (B_global,)
 
@@ -381,10 +407,9 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             for i, (tid, m) in enumerate(zip(all_turn_ids, all_masks)):
                 turn_ids[i, : len(tid)] = torch.tensor(tid, dtype=torch.long)
                 action_mask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
-            filled = torch.where(dropped.cpu(), _group_nanmean(outcome.cpu(), group_size), outcome.cpu())
             tok_adv = turn_advantages(
                 args.turn_advantage,
-                filled,
+                outcome.cpu(),
                 all_turn_rewards,
                 turn_ids,
                 action_mask,
@@ -393,8 +418,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 eps=args.advantage_eps,
                 gamma=args.turn_advantage_gamma,
                 turn_weight=args.turn_advantage_weight,
-            )  # (B_global, T)
-            tok_adv[dropped.cpu()] = 0.0
+                keep=~dropped.cpu(),  # every column normalized over the kept members of each group only
+            )  # (B_global, T), 0 on dropped rows
             advantages = tok_adv[local].to(device)  # (B_local, T)
         output["advantages"] = advantages
         excluded = local_dropped.clone()
@@ -403,8 +428,37 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if excluded.any():
             keep = (~excluded).long().unsqueeze(1)  # (B_local, 1)
             output["tool_mask"] = output["tool_mask"] * keep
+        # the update is skipped when no token of the rollout carries loss on any rank: every trajectory dropped, or
+        # masked (mask_truncated_completions), or without a sampled token
+        loss_mask = output["completion_mask"] * output["tool_mask"]  # (B_local, C)
+        loss_tokens = int(self.accelerator.reduce(loss_mask.sum().to(device), reduction="sum"))
+        if mode == "train":
+            self._rollout_all_dropped = loss_tokens == 0
+        if loss_tokens == 0 and n_drop < len(dropped):
+            logger.warning("No trajectory of this rollout carries loss (dropped, or masked by mask_truncated_"
+                           "completions, or without a sampled token): this step's optimizer update is skipped.")
+        self._log_trained_advantages(advantages, loss_mask)
         self._metrics[mode]["rollout/dropped_frac"].append(float(dropped.float().mean()))
-        self._metrics[mode]["rollout/skipped_update"].append(float(n_drop == len(dropped)))
+        self._metrics[mode]["rollout/skipped_update"].append(float(loss_tokens == 0))
+
+    def _log_trained_advantages(self, advantages: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        """Rewrite the ``advantages`` column of TRL's completions table (just logged by TRL with TRL's advantages)
+        with the ones trained on: per trajectory, its advantage, or the mean over its loss tokens for per-token
+        advantages; 0 for a trajectory without a loss token (dropped or masked). advantages: (B,) or (B, C)."""
+        logged = self._logs["advantages"]
+        m = loss_mask.float()  # (B, C)
+        tokens = m.sum(1)  # (B,)
+        if advantages.dim() == 2:
+            per_row = (advantages * m).sum(1) / tokens.clamp(min=1)  # (B,) mean over loss tokens
+        else:
+            per_row = advantages.float()  # (B,)
+        per_row = torch.where(tokens > 0, per_row, torch.zeros_like(per_row))  # (B,)
+        trained = self.accelerator.gather(per_row).tolist()  # (B_global,)
+        if len(logged) < len(trained):
+            return
+        for _ in trained:
+            logged.pop()
+        logged.extend(trained)
 
     # ------------------------------------------------------------------ metrics
     def _log_rollout_metrics(self, trajs: list[Trajectory], mode: str) -> None:
@@ -470,7 +524,10 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         steps = self.args.steps_per_generation
         generate_every = steps * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
-            batch = self._generate_and_score_completions(generation_batch)
+            if self.args.dynamic_sampling:
+                batch = self._dynamic_sampling_rollout(generation_batch)
+            else:
+                batch = self._generate_and_score_completions(generation_batch)
             batch = _shuffle_groups(batch, self.num_generations)
             if self.args.balance_micro_batches:
                 chunks = _balanced_micro_batches(
@@ -481,9 +538,73 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             else:
                 chunks = split_tensor_dict(batch, steps)
             self._attach_normalizers(chunks)
+            if "old_per_token_logps" in batch:  # several optimizer steps or epochs per rollout: pi_old is frozen
+                self._score_old_logps(chunks)
             self._log_padding(chunks)
             self._buffered_inputs = chunks
         return self._buffered_inputs[self._step % steps]
+
+    def _dynamic_sampling_rollout(self, inputs: list[dict]) -> dict:
+        """``dynamic_sampling``: score rounds of rollouts until every rank holds its share of groups with reward
+        variance (at most ``max_dynamic_sampling_rounds`` refill rounds, every rank the same number, each rolling out
+        the same number of prompts), then one scored batch of the kept groups; places still empty are filled with
+        dropped groups whose loss mask is 0 (see trl_multiturn.dynamic_sampling). Refill prompts are drawn from
+        ``train_dataset`` with a generator seeded by (seed, global step, round, rank), so a resumed run draws the
+        same ones."""
+        G, acc, dataset = self.num_generations, self.accelerator, self.train_dataset
+        n = len(inputs)
+        if n % G:
+            raise ValueError(
+                f"dynamic_sampling needs whole groups on every rank, but a rank holds {n} trajectories, not a multiple "
+                f"of num_generations={G}. Make prompts_per_rollout a multiple of the number of processes."
+            )
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ValueError(
+                f"dynamic_sampling draws refill prompts by index, but train_dataset is a {type(dataset).__name__} "
+                "without len()/indexing. Pass a map-style dataset or set dynamic_sampling=False."
+            )
+        selection, batches, rnd, sampled = Selection(quota=n // G), [], 0, 0
+        while True:
+            batches.append(self._generate_and_score_completions(inputs))
+            start, sampled = acc.process_index * len(inputs), sampled + len(inputs) // G
+            selection.add_round(rnd, group_signal(self._last_rewards[start : start + len(inputs)].cpu(), G))
+            table = acc.gather(torch.tensor([[sampled, len(selection.kept), selection.missing]], device=acc.device))
+            prompts = next_refill(table, rnd, self.args.max_dynamic_sampling_rounds, n // G)  # the same on every rank
+            if not prompts:
+                break
+            rnd += 1
+            gen = torch.Generator().manual_seed(hash((self.args.seed, self.state.global_step, rnd, acc.process_index))
+                                                & (2**62 - 1))
+            index = torch.randint(len(dataset), (prompts,), generator=gen).tolist()
+            inputs = [dataset[i] for i in index for _ in range(G)]
+        kept, filler = selection.rows(G)
+        batch = merge_scored_rows([(batches[r], rows, True) for r, rows in kept]
+                                  + [(batches[r], rows, False) for r, rows in filler], self._tokenizer.pad_token_id)
+        loss_tokens = acc.reduce((batch["completion_mask"] * batch["tool_mask"]).sum(), reduction="sum")
+        batch["num_items_in_batch"] = acc.reduce(batch["completion_mask"].sum(), reduction="sum")
+        self._rollout_all_dropped = int(loss_tokens) == 0
+        counts = [sampled, len(selection.kept), selection.surplus, sum(len(rows) for _, rows in filler) // G, rnd] + [
+            selection.dropped[why] for why in DROP_REASONS]
+        totals = acc.reduce(torch.tensor(counts, dtype=torch.float64, device=acc.device), reduction="sum")
+        names = ["prompts_sampled", "groups_kept", "groups_surplus", "groups_filler", "rounds"] + [
+            f"groups_dropped_{why}" for why in DROP_REASONS]
+        m = self._metrics["train"]
+        for name, value in zip(names, totals.tolist()):
+            m[f"rollout/dynamic_sampling/{name}"].append(value / acc.num_processes if name == "rounds" else value)
+        return batch
+
+    def _score_old_logps(self, chunks: list[dict]) -> None:
+        """Each micro-batch's ``old_per_token_logps`` (B, C) from the call :meth:`compute_loss` makes on it: the same
+        rows, layout (plain, compact, packed, shared prompt) and one-time checks, before any update. On a fresh
+        rollout ``pi / pi_old`` is then exactly 1 without dropout (the float error of another layout or partition
+        would otherwise reach the ratio and the clip), and the cost is one no-gradient forward, as TRL's."""
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for chunk in chunks:
+                input_ids = torch.cat([chunk["prompt_ids"], chunk["completion_ids"]], dim=1)  # (b, P+C)
+                attention_mask = torch.cat([chunk["prompt_mask"], chunk["completion_mask"]], dim=1)  # (b, P+C)
+                chunk["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, chunk["completion_ids"].size(1)
+                )  # (b, C)
 
     def _log_micro_batches(self, chunks: list[dict]) -> None:
         """perf/micro_batches: forward/backward passes that carry loss per optimizer step (token budget: fewer when
@@ -562,7 +683,14 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         right-padded: as wide as the longest sequence. Logits of real tokens are unchanged up to float error (the
         causal mask hides padding either way and rotary position encodings see only relative positions). Rows whose
         mask is not ``[0* 1* | 1* 0*]`` (holes), multimodal inputs and MoE aux losses go through TRL's path.
+
+        Called by TRL for pi_old over the whole rollout while ``_defer_old_logps`` is set, it returns NaN instead
+        (loud if ever trained on): :meth:`_score_old_logps` scores pi_old per micro-batch.
         """
+        if self._defer_old_logps:
+            self._defer_old_logps = False  # TRL's first call in the rollout is pi_old; reference log-probs follow
+            placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
+            return placeholder, None, None  # (B, C)
         fallback = (
             not self.args.compact_padding or compute_aux_loss or any(v is not None for v in multimodal.values())
             or not _prompt_completion_contiguous(attention_mask, logits_to_keep)
@@ -747,8 +875,10 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def _packing_ok(self, model, ids, mask, labels) -> bool:
         """Packing is used once it has been checked on this model: the first time, one micro-batch is scored both
         ways (no gradient, dropout off) and packing stays off, with a warning, if the log-probs differ."""
+        if mask.size(0) < 2:
+            return False  # nothing to pack; and pi_old and the training pass must agree on every micro-batch
         if self._packing_checked is None:
-            if not self.model.training or mask.size(0) < 2:
+            if not self.model.training:
                 return False
             self._in_packing_check = True  # lets profilers tell this one-time pass from training
             was_training = model.training
@@ -789,7 +919,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         )  # (B, C)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old  # (B, C)
-        if mode == "train" and "mb_num_sequences" in inputs:
+        global_norm = mode == "train" and "mb_num_sequences" in inputs  # normalizers summed over all ranks
+        if global_norm:
             n_seq, n_tok = inputs["mb_num_sequences"], inputs["mb_num_tokens"]
         else:
             n_seq, n_tok = loss_normalizers(mask)
@@ -813,16 +944,28 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             global_num_sequences=n_seq,
             global_num_tokens=n_tok,
             norm_constant=norm_constant,
+            delta=self.args.delta,
+            importance_sampling_level=self.args.importance_sampling_level,
         )
         pg_part = loss.detach()
         if self.beta != 0.0:
             kl = kl_penalty(logps, inputs["ref_per_token_logps"], kind="low_var_kl")  # (B, C)
+            if self.args.use_bias_correction_kl:  # TRL's default: the KL of pi, estimated on samples of pi_old
+                kl = kl * torch.exp(log_importance_weights(logps, old, mask, self.args.importance_sampling_level))
             kl_loss = aggregate_loss(
                 kl, mask, agg, global_num_sequences=n_seq, global_num_tokens=n_tok, norm_constant=norm_constant
             )
             loss = loss + self.beta * kl_loss
             self._step_accumulator["loss/kl"] += float(kl_loss.detach())
+        sampling = inputs.get("sampling_per_token_logps")  # (B, C) the generator's log-probs, NaN where unknown
+        if sampling is not None:
+            gap_abs, gap_kl, gap_tokens = sampler_learner_gap(sampling, old, mask)
+            self._step_accumulator["gap_abs_sum"] += float(gap_abs)
+            self._step_accumulator["gap_kl_sum"] += float(gap_kl)
+            self._step_accumulator["gap_tokens"] += float(gap_tokens)
         self._accumulate_step_stats(pg_part, stats, mode)
+        if not global_norm:
+            return loss  # evaluation: this process's own normalizers, so its own mean
         # DDP / DeepSpeed average gradients over ranks; the normalizers already span all ranks, so undo the average.
         return loss * self.accelerator.num_processes
 
@@ -841,7 +984,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             return  # more micro-batches of this mini-batch to come
         device = self.accelerator.device
         sums = torch.tensor(
-            [acc["loss/pg_loss"], acc["tokens"], acc["clip_sum"], acc["kl_sum"], acc["ratio_sum"], acc.get("loss/kl", 0.0)],
+            [acc["loss/pg_loss"], acc["tokens"], acc["clip_sum"], acc["kl_sum"], acc["ratio_sum"],
+             acc.get("loss/kl", 0.0), acc.get("gap_abs_sum", 0.0), acc.get("gap_kl_sum", 0.0), acc.get("gap_tokens", 0.0)],
             dtype=torch.float64,
             device=device,
         )
@@ -858,10 +1002,26 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         m["loss/ratio_max"].append(float(extrema[1]) if math.isfinite(float(extrema[1])) else 1.0)
         if self.beta != 0.0:
             m["loss/kl"].append(float(sums[5]))
+        if float(sums[8]) > 0:  # sampler vs learner (pi_old) on the sampled tokens of this mini-batch
+            m["rollout/sampler_logp_diff"].append(float(sums[6]) / float(sums[8]))
+            m["rollout/sampler_kl"].append(float(sums[7]) / float(sums[8]))
         self._step_accumulator = defaultdict(float)
 
 
 # ---------------------------------------------------------------------- helpers (pure)
+def _check_vllm_logprobs(args) -> None:
+    """vLLM returns log-probs after top-p / top-k filtering, renormalized over the kept tokens ("processed"), while
+    the learner scores the unfiltered softmax: the importance-sampling correction would then be biased on every
+    token. Refuse that combination, naming the fields."""
+    top_p, top_k = args.top_p, args.top_k or 0
+    if args.use_vllm and args.vllm_importance_sampling_correction and (top_p < 1.0 or top_k > 0):
+        raise ValueError(
+            f"use_vllm=True with top_p={top_p} and top_k={top_k}: vLLM's log-probs are renormalized after the "
+            "filtering, the learner's are not, so vllm_importance_sampling_correction would be biased. Set top_p=1.0 "
+            "and top_k=0, or vllm_importance_sampling_correction=False."
+        )
+
+
 def _gather_list(accelerator, items: list) -> list:
     if accelerator.num_processes == 1:
         return list(items)
@@ -870,38 +1030,9 @@ def _gather_list(accelerator, items: list) -> list:
     return gather_object(items)
 
 
-def _group_nanmean(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Each row's group mean over finite members (0 for an all-NaN group). rewards: (B,) -> (B,)."""
-    g = rewards.view(-1, group_size)  # (B/G, G)
-    finite = torch.isfinite(g)  # (B/G, G)
-    mean = torch.where(finite, g, torch.zeros_like(g)).sum(1) / finite.sum(1).clamp(min=1)  # (B/G,)
-    return mean.repeat_interleave(group_size)  # (B,)
-
-
 def _nan_aware_group_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: float) -> torch.Tensor:
     """``group_advantages`` over the finite members of each group; dropped (NaN) rows get advantage 0."""
-    finite = torch.isfinite(rewards)
-    if bool(finite.all()):
-        return group_advantages(rewards, group_size, scale=scale, eps=eps)
-    out = torch.zeros_like(rewards)
-    if scale == "batch":
-        # batch std over the kept rows, group means over the kept members; groups with < 2 kept members get 0
-        kept = rewards[finite]
-        std = kept.std() if kept.numel() > 1 else torch.tensor(1.0)
-        mean = _group_nanmean(rewards, group_size)
-        members = finite.view(-1, group_size).sum(1).repeat_interleave(group_size)  # (B,)
-        usable = finite & (members >= 2)
-        out[usable] = ((rewards - mean) / (std + eps))[usable]
-        return out
-    for start in range(0, rewards.numel(), group_size):
-        sl = slice(start, start + group_size)
-        keep = finite[sl]
-        n = int(keep.sum())
-        if n < 2:
-            continue  # no baseline left in this group: no learning signal (advantage 0)
-        vals = rewards[sl][keep]
-        out[sl][keep] = group_advantages(vals, n, scale=scale, eps=eps)
-    return out
+    return group_advantages(rewards, group_size, scale=scale, eps=eps, keep=torch.isfinite(rewards))
 
 
 def _prompt_completion_contiguous(attention_mask: torch.Tensor, completion_width: int) -> bool:

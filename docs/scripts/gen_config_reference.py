@@ -54,11 +54,19 @@ TRL_FIELDS: dict[str, list[tuple[str, str]]] = {
         ("scale_rewards", "Advantage scale: 'group' (GRPO), 'batch', 'none' (Dr. GRPO); used by this trainer's own "
                           "advantages."),
         ("reward_weights", "One weight per entry of `reward_funcs`; the environment reward is appended with weight 1."),
-        ("loss_type", "NOT used by this trainer: the policy loss is aggregated by `loss_aggregation`."),
+        ("loss_type", "Mapped onto `loss_aggregation` when set: 'grpo' -> 'seq-mean-token-mean', 'dr_grpo' -> "
+                      "'seq-mean-token-sum-norm', 'dapo' and 'bnpo' -> 'token-mean'. Unset here (None): the project "
+                      "default 'seq-mean-token-mean' applies, not TRL's 'dapo'. A disagreeing `loss_aggregation` "
+                      "raises; 'cispo', 'sapo', 'vespo', 'luspo' are refused."),
+        ("delta", "Two-sided clipping: the unclipped ratio is capped at `delta`."),
+        ("importance_sampling_level", "'token' or 'sequence' (GSPO: one ratio per trajectory)."),
+        ("use_bias_correction_kl", "With `beta != 0`, the per-token KL is weighted by the importance ratio, as TRL."),
         ("mask_truncated_completions", "Applied by this trainer, not by TRL's EOS test (a multi-turn trajectory "
                                        "ends on `</answer>` or `done` without EOS): True drops from the loss the "
-                                       "trajectories cut by `max_completion_length`, `max_turns` or a turn's token "
-                                       "limit (`rollout/truncated_frac`)."),
+                                       "trajectories cut by a token limit, `max_completion_length` or the model's "
+                                       "context (`rollout/truncated_frac`); a trajectory that used up `max_turns` is "
+                                       "complete and keeps its loss (see [what truncated means]"
+                                       "(trainer.md#what-truncated-means))."),
         ("disable_dropout", "Default True here (TRL: False), so the recomputed old log-probs match and the ratio is "
                             "exactly 1 on a fresh rollout."),
     ],
@@ -144,6 +152,11 @@ def render() -> str:
         "  `num_generations`; the plan is kept as `config.batch_plan` (`print(config.batch_plan.describe())`).",
         "- Without them, `ppo_epochs` (when given) sets `num_iterations`, and TRL's own batch fields apply.",
         "- `loss_aggregation`, `turn_advantage`, `max_turns >= 1` and `max_completion_length >= 1` are validated.",
+        "- `loss_type` (TRL's name) is mapped onto `loss_aggregation`; both set and disagreeing raises.",
+        "- `steps_per_generation` (set or derived from `generation_batch_size`) must be a multiple of",
+        "  `gradient_accumulation_steps`, so that a rollout holds whole optimizer steps.",
+        "- Every field of `GRPOConfig` this trainer does not honor raises when it differs from TRL's default (table",
+        "  below); the trainer's constructor checks again, for fields changed after the config was built.",
         "- `bf16` left unset becomes True only where a CUDA device supports bf16.",
         "",
         "## TRL fields that matter most",
@@ -159,7 +172,30 @@ def render() -> str:
             first = re.split(r"(?<=\.)\s", help_text, maxsplit=1)[0]
             out.append(f"| `{name}` | {_default(f)} | {first} | {_cell(note)} |")
         out.append("")
+    out += _field_table(base)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _field_table(base: dict) -> list[str]:
+    """Every field TRL's GRPOConfig adds to TrainingArguments: honored (how) or refused (what to use instead)."""
+    from trl_multiturn.config import GRPO_FIELDS, HONORED, TRAINER_FIELDS
+
+    out = [
+        "## Every GRPOConfig field",
+        "",
+        "`MultiTurnGRPOTrainer` honors or refuses every field of TRL's `GRPOConfig`; a refused field raises when it",
+        "differs from TRL's default (some honored fields refuse only the values named here). The",
+        f"{len(TRAINER_FIELDS)} plain `TrainingArguments` fields (optimizer, schedule, logging, saving, precision,",
+        "distribution) are applied by transformers' `Trainer` as usual. `tests/test_config_fields.py` fails when",
+        "TRL or transformers adds a field that is not classified here.",
+        "",
+        "| field | TRL default | here | how, or what to use instead |",
+        "|---|---|---|---|",
+    ]
+    for name, (status, note) in GRPO_FIELDS.items():
+        verdict = "honored" if status == HONORED else "**refused**"
+        out.append(f"| `{name}` | {_default(base[name])} | {verdict} | {_cell(note)} |")
+    return out + [""]
 
 
 def main(argv: list[str] | None = None) -> int:
