@@ -8,10 +8,18 @@
 Reports exact match (Search-R1's metric), substring match, F1, average searches, invalid-action rate and answer
 rate, overall and per number of hops, with greedy decoding through the same rollout loop as training. With
 `--output_json` the summary and every per-question record are written to a file.
+
+The fixed held-out set for comparing stages (256 questions, half 1-hop, half 2-hop, the same for every stage), with
+sampled exact match at the training temperature (k = 4 samples per question):
+
+    python recipes/evaluate_search_agent.py --adapter outputs/warm_start/adapter --heldout balanced \
+        --num_samples 4 --temperature 0.7 --output_json eval_warm.json
+    python recipes/compare_evaluations.py eval_warm.json eval_grpo.json   # paired bootstrap 95% CI of the difference
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -36,6 +44,12 @@ class EvalArguments(recipe.SearchAgentArguments):
     max_completion_length: int = field(default=1024, metadata={"help": "Token budget of a trajectory (actions and observations)."})
     max_observation_tokens: int = field(default=256, metadata={"help": "Observations are cut to this many tokens."})
     output_json: str | None = field(default=None, metadata={"help": "Write the summary and per-question records here."})
+    heldout: str = field(default="first", metadata={"help": "Which held-out questions: 'first' (the first num_eval_questions of the split) or 'balanced' (the fixed set: heldout_size questions, half 1-hop and half 2-hop, drawn with heldout_seed; the same for every stage, so two stages can be compared question by question)."})
+    heldout_size: int = field(default=256, metadata={"help": "Questions in the 'balanced' held-out set (even; half of them 1-hop)."})
+    heldout_seed: int = field(default=0, metadata={"help": "Seed that draws the 'balanced' held-out set."})
+    num_samples: int = field(default=0, metadata={"help": "Also sample this many trajectories per question (0 = greedy only, else >= 2) and report their mean exact match (sampled_exact_match)."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature of --num_samples (use the training temperature; 0.7 in recipes/configs)."})
+    eval_seed: int = field(default=0, metadata={"help": "Seed of the sampled trajectories of --num_samples."})
 
 
 def main(args: EvalArguments, model_args: ModelConfig) -> dict:
@@ -43,8 +57,18 @@ def main(args: EvalArguments, model_args: ModelConfig) -> dict:
     from trl_multiturn.search import SearchEnvironment
     from trl_multiturn.search.evaluation import evaluate_search_agent
 
-    corpus, train_rows, test_rows = recipe.load_data(args)
+    from trl_multiturn.generation import SamplingParams
+    from trl_multiturn.search.evaluation import heldout_rows
+
+    if args.heldout not in ("first", "balanced"):
+        raise ValueError(f"--heldout {args.heldout!r} must be 'first' or 'balanced'.")
+    if args.heldout == "balanced" and args.question_hops != "all":
+        raise ValueError(f"--heldout balanced draws 1- and 2-hop questions; drop --question_hops {args.question_hops}.")
+    load_args = dataclasses.replace(args, num_eval_questions=None) if args.heldout == "balanced" else args
+    corpus, train_rows, test_rows = recipe.load_data(load_args)
     rows = test_rows if args.split == "test" else train_rows
+    if args.heldout == "balanced":
+        rows = heldout_rows(rows, args.heldout_size, args.heldout_seed)
     retriever = recipe.build_retriever(args, corpus)
     _, model, tokenizer = recipe.load_model(model_args, None)
     if args.adapter:
@@ -56,14 +80,19 @@ def main(args: EvalArguments, model_args: ModelConfig) -> dict:
         lambda: SearchEnvironment(retriever, topk=args.topk, max_searches=args.max_searches),
         protocol=TagProtocol(max_observation_tokens=args.max_observation_tokens), max_turns=args.max_turns,
         max_completion_length=args.max_completion_length, max_tokens_per_turn=args.eval_max_tokens_per_turn,
-        batch_size=args.eval_batch_size,
+        batch_size=args.eval_batch_size, num_samples=args.num_samples,
+        sampling=SamplingParams(temperature=args.temperature), seed=args.eval_seed,
     )
+    out["settings"] = {"heldout": args.heldout, "heldout_size": len(rows), "heldout_seed": args.heldout_seed,
+                       "split": args.split, "num_samples": args.num_samples, "temperature": args.temperature,
+                       "adapter": args.adapter, "kb_seed": args.kb_seed}
     name = f"{model_args.model_name_or_path or 'SmolLM2-135M-Instruct'}" + (f" + {args.adapter}" if args.adapter else "")
     print(f"\n{name} on {len(rows)} {args.split} questions ({out['seconds']:.0f} s)")
     print(f"{'subset':<8} {'n':>5} {'EM':>6} {'substr':>7} {'F1':>6} {'searches':>9} {'invalid':>8} {'answered':>9}")
     for subset, m in out["summary"].items():
         print(f"{subset:<8} {m['n']:>5} {m['exact_match']:>6.3f} {m['substring_match']:>7.3f} {m['f1']:>6.3f} "
-              f"{m['searches']:>9.2f} {m['invalid_rate']:>8.3f} {m['answered']:>9.3f}")
+              f"{m['searches']:>9.2f} {m['invalid_rate']:>8.3f} {m['answered']:>9.3f}"
+              + (f"  sampled EM {m['sampled_exact_match']:.3f}" if "sampled_exact_match" in m else ""))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(out, indent=2, default=str))
     return out
@@ -71,4 +100,8 @@ def main(args: EvalArguments, model_args: ModelConfig) -> dict:
 
 if __name__ == "__main__":
     parser = TrlParser((EvalArguments, ModelConfig))
-    main(*parser.parse_args_and_config())
+    parsed = parser.parse_args_and_config()
+    from trl_multiturn.threads import configure_cpu_threads
+
+    configure_cpu_threads()  # on CPU: every usable core, unless OMP_NUM_THREADS was chosen (not accelerate's default 1)
+    main(*parsed)

@@ -127,6 +127,7 @@ def test_pg_loss_zero_script_fast(tmp_path):
     assert json.loads((tmp_path / "pg.json").read_text())[script.ONE][0]["step"] == 1
 
 
+@pytest.mark.slow  # runs the notebook in a kernel subprocess: ~15 s
 def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -151,3 +152,49 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     )
     assert "loss/pg_loss" in outputs and "grad_norm" in outputs  # the metrics table was shown
     assert "policy (mask 1)" in outputs and "env    (mask 0)" in outputs  # and a trajectory with its mask
+
+
+# The README's Python example, shortened: each key (text of the README's block) is replaced by its value, and must
+# occur exactly once, so that a README edit the shortening no longer follows fails here instead of running in full.
+README_SHORTER = {"num_entities=300": "num_entities=20", "data.train_rows[:64]": "data.train_rows[:4]",
+                  "max_steps=3": "max_steps=1"}
+README_TINY = {"max_completion_length=1024": "max_completion_length=256", "max_tokens_per_turn=96": "max_tokens_per_turn=16"}
+
+
+def readme_example(replacements: dict[str, str]) -> str:
+    """The one python block of README.md, with ``replacements`` applied (each must occur exactly once)."""
+    (block,) = [b for b in parse_blocks((REPO_ROOT / "README.md").read_text(encoding="utf-8")) if b["lang"] == "python"]
+    code = block["code"]
+    for old, new in replacements.items():
+        assert code.count(old) == 1, f"README.md's Python example no longer has {old!r} exactly once: update the test"
+        code = code.replace(old, new)
+    return code
+
+
+def _run_readme_example(code: str) -> dict:
+    namespace: dict = {"__name__": "readme_example"}
+    exec(compile(code, "README.md (python example)", "exec"), namespace)  # noqa: S102
+    trainer = namespace["trainer"]
+    assert namespace["stats"]["kept"] == len(namespace["trajectories"]) > 0  # the warm start trained on experts
+    assert trainer.state.global_step == 1  # one GRPO optimizer step, from the warm-start adapter
+    assert any("loss/pg_loss" in h for h in trainer.state.log_history)
+    assert type(trainer.model).__name__.startswith("Peft")
+    return namespace
+
+
+def test_readme_example_runs_tiny_model(tmp_path, monkeypatch, smollm2_tokenizer, tiny_model_factory):
+    """The README's example on a tiny random model (same code and settings; shorter run and token budgets)."""
+    model_dir = tmp_path / "tiny"
+    tiny_model_factory(hidden_size=32, num_layers=2).save_pretrained(model_dir)
+    smollm2_tokenizer.save_pretrained(model_dir)
+    monkeypatch.chdir(tmp_path)
+    code = readme_example({**README_SHORTER, **README_TINY, "str(smollm2_path())": repr(str(model_dir))})
+    _run_readme_example(code)
+
+
+@pytest.mark.slow
+def test_readme_example_runs_smollm2(tmp_path, monkeypatch):
+    """The README's example on SmolLM2-135M-Instruct, with 4 warm-start examples, one GRPO step and the shorter
+    token budgets (a model warm-started on 4 examples writes until the budget: the full one costs minutes)."""
+    monkeypatch.chdir(tmp_path)
+    _run_readme_example(readme_example({**README_SHORTER, **README_TINY}))

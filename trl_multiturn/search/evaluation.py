@@ -1,9 +1,17 @@
-"""Evaluate a search agent: greedy multi-turn rollouts on held-out questions, scored like Search-R1.
+"""Evaluate a search agent: greedy multi-turn rollouts on held-out questions, scored like Search-R1, and the
+statistics that tell a real change between two stages from noise.
 
 ``evaluate_search_agent`` runs the same rollout loop as training (:class:`~trl_multiturn.rollout.MultiTurnRollout`
 with :class:`~trl_multiturn.protocols.TagProtocol` and :class:`SearchEnvironment`) with greedy decoding and reports
 exact match (Search-R1's metric), substring match and F1 of the final answer, the average number of searches, the
-invalid-action rate and the answer rate, overall and per number of hops.
+invalid-action rate and the answer rate, overall and per number of hops. With ``num_samples=k`` it also samples k
+trajectories per question at the training temperature and reports their mean exact match (``sampled_exact_match``),
+the quantity GRPO's reward actually optimizes.
+
+:func:`heldout_rows` picks the fixed held-out set (half 1-hop, half 2-hop, the same for every stage) and
+:func:`compare_evaluations` gives the difference between two stages' per-question records with a paired bootstrap
+confidence interval, overall and per hop count: the same questions in both stages, so the question-to-question
+spread (most of the variance of an EM) cancels out of the difference.
 
 In a multi-process run each rank evaluates its own shard of the questions and the per-question records are
 gathered, so the numbers are those of the full set on every rank.
@@ -11,11 +19,13 @@ gathered, so the numbers are those of the full set on every rank.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..generation import SamplingParams, TransformersGenerator
@@ -32,6 +42,7 @@ def _record(row: dict, traj) -> dict[str, Any]:
     actions = traj.info.get("actions", [])
     return {
         "id": row.get("id"),
+        "question": row.get("question"),
         "hops": int(row.get("hops", 0) or 0),
         "exact_match": exact_match(answer, golds),
         "substring_match": substring_match(answer, golds),
@@ -46,18 +57,115 @@ def _record(row: dict, traj) -> dict[str, Any]:
     }
 
 
-def summarize(records: Sequence[dict]) -> dict[str, Any]:
-    """Mean of each metric overall (``all``) and per hop count (``hops_1``, ``hops_2``, ...), with counts ``n``."""
-    groups: dict[str, list[dict]] = defaultdict(list)
+def _subsets(records: Sequence[Any], hops=lambda r: r["hops"]) -> dict[str, list]:
+    """``all`` and one subset per hop count (``hops_1``, ``hops_2``, ...; records without hops only in ``all``)."""
+    groups: dict[str, list] = defaultdict(list)
     for r in records:
         groups["all"].append(r)
-        if r["hops"]:
-            groups[f"hops_{r['hops']}"].append(r)
+        if hops(r):
+            groups[f"hops_{hops(r)}"].append(r)
+    return dict(sorted(groups.items()))
+
+
+def summarize(records: Sequence[dict]) -> dict[str, Any]:
+    """Mean of each metric overall (``all``) and per hop count (``hops_1``, ``hops_2``, ...), with counts ``n``;
+    ``sampled_exact_match`` too when every record has it."""
+    sampled = bool(records) and all("sampled_exact_match" in r for r in records)
+    metrics = METRICS + (("sampled_exact_match",) if sampled else ())
     return {
-        name: {"n": len(rs), **{m: sum(r[m] for r in rs) / len(rs) for m in METRICS}}
-        for name, rs in sorted(groups.items())
+        name: {"n": len(rs), **{m: sum(r[m] for r in rs) / len(rs) for m in metrics}}
+        for name, rs in _subsets(records).items()
         if rs
     }
+
+
+def heldout_rows(rows: Sequence[dict], size: int = 256, seed: int = 0) -> list[dict]:
+    """The fixed held-out set: ``size`` questions, ``size / 2`` with 1 hop and ``size / 2`` with 2 hops.
+
+    Each half is drawn without replacement by ``random.Random(seed)`` from that hop count's rows sorted by ``id``
+    (the row's position when it has none), and the set is returned sorted by ``id``: the same rows give the same
+    set whatever their order, so every stage of a run is evaluated on the same questions.
+    """
+    if size < 2 or size % 2:
+        raise ValueError(f"heldout_size={size} must be an even number >= 2 (half 1-hop, half 2-hop), e.g. 256.")
+    keyed = [(str(r.get("id")) if r.get("id") is not None else f"{i:09d}", r) for i, r in enumerate(rows)]
+    chosen = []
+    for hops in (1, 2):
+        pool = sorted((kr for kr in keyed if int(kr[1].get("hops", 1) or 1) == hops), key=lambda kr: kr[0])
+        if len(pool) < size // 2:
+            raise ValueError(
+                f"the held-out split has {len(pool)} questions with {hops} hop(s), fewer than heldout_size/2 = "
+                f"{size // 2}; lower heldout_size or generate a larger knowledge base (offline_entities)."
+            )
+        chosen += random.Random(seed * 1_000 + hops).sample(pool, size // 2)
+    return [r for _, r in sorted(chosen, key=lambda kr: kr[0])]
+
+
+def bootstrap_mean_ci(values: Sequence[float], resamples: int = 10_000, seed: int = 0,
+                      confidence: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (n,): ``resamples`` means of n values drawn with
+    replacement (``numpy.random.default_rng(seed)``), cut at ``(1 - confidence) / 2`` and ``(1 + confidence) / 2``.
+    Given the per-question differences of two stages, this is the paired bootstrap of the difference."""
+    x = np.asarray(values, dtype=np.float64)  # (n,)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"bootstrap_mean_ci needs a non-empty 1-D list of values, got shape {x.shape}.")
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples)  # (R,)
+    for start in range(0, resamples, 1_000):  # in chunks: (1000, n) indices at a time
+        stop = min(start + 1_000, resamples)
+        means[start:stop] = x[rng.integers(0, x.size, size=(stop - start, x.size))].mean(axis=1)
+    low, high = np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(low), float(high)
+
+
+def unpaired_bootstrap_ci(a: Sequence[float], b: Sequence[float], resamples: int = 10_000, seed: int = 0,
+                          confidence: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``mean(b) - mean(a)`` resampling ``a`` and ``b`` independently, as if the
+    two stages had been evaluated on different questions (for comparison: wider than the paired interval when the
+    questions' difficulty dominates the spread)."""
+    xa, xb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)  # (n_a,), (n_b,)
+    rng = np.random.default_rng(seed)
+    diffs = (xb[rng.integers(0, xb.size, size=(resamples, xb.size))].mean(axis=1)
+             - xa[rng.integers(0, xa.size, size=(resamples, xa.size))].mean(axis=1))  # (R,)
+    low, high = np.quantile(diffs, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(low), float(high)
+
+
+def _key(record: dict) -> str:
+    return str(record["id"]) if record.get("id") is not None else str(record.get("question"))
+
+
+def compare_evaluations(records_a: Sequence[dict], records_b: Sequence[dict], metrics: Sequence[str] | None = None,
+                        resamples: int = 10_000, seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
+    """Stage B minus stage A on the same questions, paired by ``id`` (the question text when there is none).
+
+    For each metric (default: ``exact_match`` and, when both stages have it, ``sampled_exact_match``) and each
+    subset (``all``, ``hops_1``, ``hops_2``, ...): ``n``, the means ``a`` and ``b``, ``diff = b - a`` and the paired
+    bootstrap interval ``ci_low``/``ci_high`` of the per-question differences (:func:`bootstrap_mean_ci`; the
+    same seed for every subset). Raises ValueError when the two stages were not evaluated on the same questions.
+    """
+    by_a, by_b = {_key(r): r for r in records_a}, {_key(r): r for r in records_b}
+    only_a, only_b = sorted(set(by_a) - set(by_b)), sorted(set(by_b) - set(by_a))
+    if only_a or only_b or len(by_a) != len(records_a) or len(by_b) != len(records_b):
+        raise ValueError(
+            f"the two evaluations are not on the same questions: {len(only_a)} only in A (e.g. {only_a[:3]}), "
+            f"{len(only_b)} only in B (e.g. {only_b[:3]}), {len(records_a) - len(by_a)} + {len(records_b) - len(by_b)} "
+            "repeated ids. Evaluate both stages on the same fixed set (--heldout balanced)."
+        )
+    if metrics is None:
+        both = list(records_a) + list(records_b)
+        metrics = ["exact_match"] + (["sampled_exact_match"] if all("sampled_exact_match" in r for r in both) else [])
+    pairs = [(by_a[k], by_b[k]) for k in sorted(by_a)]
+    out: dict[str, Any] = {"resamples": resamples, "seed": seed, "confidence": confidence}
+    for metric in metrics:
+        out[metric] = {}
+        for subset, ps in _subsets(pairs, hops=lambda p: p[0]["hops"]).items():
+            a = [float(pa[metric]) for pa, _ in ps]
+            b = [float(pb[metric]) for _, pb in ps]
+            low, high = bootstrap_mean_ci([y - x for x, y in zip(a, b)], resamples, seed, confidence)
+            out[metric][subset] = {"n": len(ps), "a": sum(a) / len(a), "b": sum(b) / len(b),
+                                   "diff": (sum(b) - sum(a)) / len(a), "ci_low": low, "ci_high": high}
+    return out
 
 
 @torch.no_grad()
@@ -74,11 +182,20 @@ def evaluate_search_agent(
     batch_size: int = 16,
     accelerator=None,
     progress: bool = True,
+    num_samples: int = 0,
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Greedy multi-turn evaluation on ``rows`` (dicts with ``question``, ``golden_answers`` and optional ``hops``).
 
+    With ``num_samples=k >= 2``, each question is also rolled out k times with ``sampling`` (the training
+    temperature / top-p / top-k; default ``SamplingParams()``, temperature 1) from a ``torch.Generator`` seeded with
+    ``seed`` (plus the rank), and its record gets ``sampled_exact_match``, the mean exact match of the k samples.
+
     Returns ``{"summary": summarize(records), "records": [...], "seconds": wall time}``.
     """
+    if num_samples == 1 or num_samples < 0:
+        raise ValueError(f"num_samples={num_samples}: use 0 (greedy only) or k >= 2 samples per question.")
     protocol = protocol or TagProtocol()
     rows = list(rows)
     if accelerator is not None and accelerator.num_processes > 1:
@@ -110,6 +227,23 @@ def evaluate_search_agent(
                 done = min(i + batch_size, len(shard))
                 em = sum(r["exact_match"] for r in records) / len(records)
                 print(f"  eval {done}/{len(shard)} questions, exact match so far {em:.3f}", flush=True)
+        if num_samples:
+            params = sampling or SamplingParams()
+            rank = accelerator.process_index if accelerator is not None else 0
+            sampler = TransformersGenerator(model, tokenizer, generator=torch.Generator().manual_seed(seed + rank))
+            per_batch = max(1, batch_size // num_samples)  # questions whose k samples are generated together
+            for i in range(0, len(shard), per_batch):
+                batch = shard[i : i + per_batch]
+                trajs = rollout.run([r for r in batch for _ in range(num_samples)], sampler, params)
+                for j, row in enumerate(batch):
+                    ems = [exact_match(t.info.get("final_answer"), row["golden_answers"])
+                           for t in trajs[j * num_samples : (j + 1) * num_samples]]
+                    records[i + j]["sampled_exact_match"] = sum(ems) / num_samples
+                if progress:
+                    done = min(i + per_batch, len(shard))
+                    em = sum(r["sampled_exact_match"] for r in records[:done]) / done
+                    print(f"  sampled eval {done}/{len(shard)} questions x {num_samples}, exact match so far "
+                          f"{em:.3f}", flush=True)
     finally:
         rollout.close()
         if was_training:

@@ -1,0 +1,142 @@
+"""Evaluation statistics with hand-computed numbers: the paired bootstrap interval, pairing by question, the fixed
+held-out set, and sampled exact match through the real rollout loop with a scripted policy."""
+
+import json
+import random
+
+import pytest
+
+from scripted import ScriptedLM
+
+from trl_multiturn.generation import SamplingParams
+from trl_multiturn.protocols import TagProtocol
+from trl_multiturn.search import build_offline_dataset
+from trl_multiturn.search.evaluation import (
+    bootstrap_mean_ci,
+    compare_evaluations,
+    evaluate_search_agent,
+    heldout_rows,
+    summarize,
+    unpaired_bootstrap_ci,
+)
+
+
+def test_bootstrap_interval_of_known_differences():
+    # every question changed by the same amount: every resample's mean is that amount
+    assert bootstrap_mean_ci([0.25] * 10) == (0.25, 0.25)
+    # n = 2, differences {0, 1}: resampled means 0, 1/2, 1 with probabilities 1/4, 1/2, 1/4, so the 2.5% and 97.5%
+    # quantiles are 0 and 1
+    assert bootstrap_mean_ci([0.0, 1.0]) == (0.0, 1.0)
+    # n = 20, one difference of 1: the resampled mean is X/20 with X ~ Binomial(20, 1/20); P(X = 0) = 0.358 > 0.025
+    # and P(X <= 2) = 0.925 < 0.975 <= P(X <= 3) = 0.984, so the interval is [0, 3/20]
+    assert bootstrap_mean_ci([0.0] * 19 + [1.0]) == (0.0, 0.15)
+    # seeded: the same seed gives the same interval
+    values = [random.Random(1).random() for _ in range(50)]
+    assert bootstrap_mean_ci(values, seed=3) == bootstrap_mean_ci(values, seed=3)
+
+
+def test_paired_interval_sees_what_the_unpaired_one_cannot():
+    # 128 questions, half solved by both stages; stage B also solves 8 that A missed and loses none
+    a = [1.0, 0.0] * 64
+    b = list(a)
+    for i in range(1, 16, 2):
+        b[i] = 1.0
+    diffs = [y - x for x, y in zip(a, b)]
+    assert sum(diffs) / len(diffs) == 8 / 128
+    low, high = bootstrap_mean_ci(diffs)
+    # paired: X/128 with X ~ Binomial(128, 1/16), mean 8, sd 2.7: the interval lies above 0
+    assert 0 < low < 8 / 128 < high
+    # unpaired: the spread of the questions' difficulty (sd 0.5 each) swamps the change: the interval holds 0
+    u_low, u_high = unpaired_bootstrap_ci(a, b)
+    assert u_low < 0 < u_high
+    # widths ~ 3.92 sd: paired sd = sqrt(1/16 * 15/16 / 128) = 0.021, unpaired sd = sqrt((1/4 + 9/16 * 7/16) / 128)
+    # = 0.062, about 2.9 times wider
+    assert u_high - u_low > 2 * (high - low)
+
+
+def _rec(qid, hops, em, **kw):
+    return {"id": qid, "hops": hops, "exact_match": em, **kw}
+
+
+def test_compare_evaluations_pairs_by_id_per_hop():
+    a = [_rec("q1", 1, 1.0), _rec("q2", 1, 0.0), _rec("q3", 2, 0.0), _rec("q4", 2, 0.0)]
+    b = [_rec("q4", 2, 1.0), _rec("q3", 2, 1.0), _rec("q2", 1, 0.0), _rec("q1", 1, 1.0)]  # another order
+    out = compare_evaluations(a, b, resamples=2_000)
+    em = out["exact_match"]
+    assert em["all"] == {"n": 4, "a": 0.25, "b": 0.75, "diff": 0.5, "ci_low": pytest.approx(0.25, abs=0.251),
+                         "ci_high": 1.0}
+    assert em["hops_1"]["diff"] == 0.0 and (em["hops_1"]["ci_low"], em["hops_1"]["ci_high"]) == (0.0, 0.0)
+    assert em["hops_2"]["diff"] == 1.0 and (em["hops_2"]["ci_low"], em["hops_2"]["ci_high"]) == (1.0, 1.0)
+    assert "sampled_exact_match" not in out  # only when both stages have it
+    with pytest.raises(ValueError, match="1 only in A"):
+        compare_evaluations(a, b[:3])
+
+
+def test_compare_evaluations_includes_sampled_exact_match():
+    a = [_rec("q1", 1, 1.0, sampled_exact_match=0.5), _rec("q2", 2, 0.0, sampled_exact_match=0.25)]
+    b = [_rec("q1", 1, 1.0, sampled_exact_match=0.75), _rec("q2", 2, 0.0, sampled_exact_match=0.5)]
+    out = compare_evaluations(a, b)
+    assert out["sampled_exact_match"]["all"]["diff"] == 0.25
+    assert (out["sampled_exact_match"]["all"]["ci_low"], out["sampled_exact_match"]["all"]["ci_high"]) == (0.25, 0.25)
+
+
+def test_compare_script_prints_and_writes(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_evaluations", Path(__file__).resolve().parents[1] / "recipes" / "compare_evaluations.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    a = [_rec(f"q{i}", 1 + i % 2, float(i % 3 == 0)) for i in range(12)]
+    b = [_rec(f"q{i}", 1 + i % 2, float(i % 3 != 1)) for i in range(12)]
+    (tmp_path / "a.json").write_text(json.dumps({"records": a}))
+    (tmp_path / "b.json").write_text(json.dumps({"records": b}))
+    out = script.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--output_json", str(tmp_path / "c.json")])
+    assert json.loads((tmp_path / "c.json").read_text())["exact_match"] == out["exact_match"]
+    assert out["exact_match"]["all"]["diff"] == pytest.approx(4 / 12)  # 4 solved -> 8 solved
+    assert "exact_match          all" in capsys.readouterr().out
+
+
+def test_heldout_set_is_balanced_fixed_and_order_free():
+    data = build_offline_dataset()  # the recipes' default knowledge base: 256 one-hop and 225 two-hop test questions
+    rows = heldout_rows(data.test_rows, 256)
+    assert len(rows) == 256 and sum(r["hops"] == 1 for r in rows) == 128
+    assert len({r["id"] for r in rows}) == 256
+    shuffled = list(data.test_rows)
+    random.Random(7).shuffle(shuffled)
+    assert [r["id"] for r in heldout_rows(shuffled, 256)] == [r["id"] for r in rows]
+    assert [r["id"] for r in heldout_rows(data.test_rows, 256, seed=1)] != [r["id"] for r in rows]
+    with pytest.raises(ValueError, match="225 questions with 2 hop"):
+        heldout_rows(data.test_rows, 460)
+    with pytest.raises(ValueError, match="heldout_size=7"):
+        heldout_rows(data.test_rows, 7)
+
+
+class AnswerEnv:
+    """One turn: the policy's answer ends the episode."""
+
+    def reset(self, example):
+        return f"Question: {example['question']}"
+
+    def step(self, action):
+        from trl_multiturn.environment import Step
+
+        return Step(observation=None, done=True)
+
+
+def test_sampled_exact_match_rolls_out_k_samples_per_question(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    lm = ScriptedLM([tok("<answer>Paris</answer>", add_special_tokens=False)["input_ids"]], len(tok), tok.eos_token_id)
+    rows = [{"id": "a", "question": "capital of France?", "golden_answers": ["Paris"], "hops": 1},
+            {"id": "b", "question": "capital of Italy?", "golden_answers": ["Rome"], "hops": 2},
+            {"id": "c", "question": "city of lights?", "golden_answers": ["paris"], "hops": 2}]
+    out = evaluate_search_agent(lm, tok, rows, AnswerEnv, protocol=TagProtocol(), max_turns=1, max_completion_length=32,
+                                max_tokens_per_turn=16, batch_size=4, progress=False, num_samples=3,
+                                sampling=SamplingParams(temperature=0.7))
+    assert len(lm.contexts) == 3 + 3 * 3  # one greedy and k = 3 sampled trajectories per question
+    assert [r["sampled_exact_match"] for r in out["records"]] == [1.0, 0.0, 1.0]
+    assert out["summary"]["hops_2"]["sampled_exact_match"] == 0.5
+    assert out["summary"] == summarize(out["records"])
+    with pytest.raises(ValueError, match="num_samples=1"):
+        evaluate_search_agent(lm, tok, rows, AnswerEnv, num_samples=1)
