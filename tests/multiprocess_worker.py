@@ -14,7 +14,8 @@ Phases (each rank runs all of them, in order):
   hook records every file this rank opened for writing (or directory it made) under the run's output directory.
   A run may set ``"vllm": true``: then TRL's ``VLLMGeneration`` is replaced by a stand-in (server mode, no vLLM
   needed) whose client answers or searches by a fixed rule, and the recording shows which backend the rollouts used
-  and when the weights were synced.
+  and when the weights were synced. A run may set ``"fsdp": true``: FSDP (from its ``--fsdp`` args) is then declared
+  in the accelerator's state as accelerate does on GPUs (on CPU accelerate leaves FSDP off).
 
 Nothing here changes what the trainer computes except the added reward; the assertions live in the test.
 """
@@ -227,6 +228,7 @@ def _recording_trainer(base, record: dict):
             super()._attach_normalizers(chunks)
             record["chunks"].append([
                 {"rows": int(c["prompt_ids"].size(0)),
+                 "lengths": (c["prompt_mask"].sum(1) + c["completion_mask"].sum(1)).tolist(),
                  "sequences": int((c["completion_mask"] * c["tool_mask"]).bool().any(dim=-1).sum()),
                  "mb_num_sequences": float(c["mb_num_sequences"]), "mb_num_tokens": float(c["mb_num_tokens"])}
                 for c in chunks
@@ -278,10 +280,25 @@ def run_recipe(name: str, run: dict, spec: dict, state, audit: _WriteAudit, out_
     evaluation_module.MultiTurnRollout = CountingRollout
 
     import trl.trainer.grpo_trainer as grpo_module
+    from transformers import Trainer
 
     original_vllm = grpo_module.VLLMGeneration
     if run.get("vllm"):
         grpo_module.VLLMGeneration = make_fake_vllm_generation(record["events"])
+    original_accelerator, declared = Trainer.create_accelerator_and_postprocess, []
+    if run.get("fsdp"):
+        def create_accelerator_and_postprocess(self):
+            """accelerate turns FSDP on only on accelerator devices (on CPU the ranks would silently run plain data
+            parallel): declare it in the accelerator's state as accelerate does there, from the run's FSDP args."""
+            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+            original_accelerator(self)
+            state = self.accelerator.state
+            declared.append((state, getattr(state, "fsdp_plugin", None), state.distributed_type))
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            state.distributed_type = DistributedType.FSDP
+
+        Trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
 
     audit.root = os.path.abspath(training_args.output_dir)
     audit.paths = []
@@ -292,6 +309,9 @@ def run_recipe(name: str, run: dict, spec: dict, state, audit: _WriteAudit, out_
         restore()
         evaluation_module.MultiTurnRollout = original_rollout
         grpo_module.VLLMGeneration = original_vllm
+        Trainer.create_accelerator_and_postprocess = original_accelerator
+        for state, plugin, kind in declared:
+            state.fsdp_plugin, state.distributed_type = plugin, kind
         TransformersGenerator.__init__, VLLMGenerator.generate = original_init, original_generate
 
     trainer = record.pop("trainer")
@@ -313,6 +333,8 @@ def run_recipe(name: str, run: dict, spec: dict, state, audit: _WriteAudit, out_
             "plan_gradient_accumulation_steps": plan.gradient_accumulation_steps,
         },
         "num_processes": trainer.accelerator.num_processes,
+        # the one-time layout checks' verdicts (None: not checked)
+        "layouts": {"packing": trainer._packing_checked, "sharing": trainer._sharing_checked},
     }
 
 

@@ -1,14 +1,16 @@
 """Multi-process semantics, proved on two real gloo ranks on CPU.
 
 One ``torchrun --standalone --nproc_per_node 2`` launch of tests/multiprocess_worker.py (a module-scoped fixture,
-about a minute on 2 busy cores) runs ``main`` of recipes/search_agent.py on a tiny random model in three
-configurations, plus the vLLM backend's call pattern over the real collectives; the tests read what each rank
+about a minute on 2 busy cores) runs ``main`` of recipes/search_agent.py on a tiny random model in the
+configurations below, plus the vLLM backend's call pattern over the real collectives; the tests read what each rank
 recorded:
 
     run      B (prompts) x G   mini   micro/device   grad. accumulation = mini / (micro x 2 ranks)   groups
     whole    4 x 2 = 8         8      2              2                                                whole on a rank
     split    1 x 4 = 4         4      1              2                                                split over ranks
     vllm     2 x 2 = 4         4      1              2         use_vllm (server mode, stand-in engine)
+    layout   as vllm, with a token budget that fits rank 0's two short trajectories in one micro-batch only
+    fsdp     as whole, with FSDP declared (accelerate leaves it off on CPU): construction must refuse
 
 Each run makes 2 optimizer steps (one rollout each). The recipe runs with ``--use_cpu true``: on a machine without
 GPUs, accelerate only joins the torchrun processes into one gloo group when told it runs on CPU (without it every
@@ -50,7 +52,14 @@ RUNS = {
     "split": {"prompts_per_rollout": 1, "num_generations": 4, "mini_batch_size": 4, "micro_batch_size": 1},
     "vllm": {"prompts_per_rollout": 2, "num_generations": 2, "mini_batch_size": 4, "micro_batch_size": 1,
              "max_turns": 3},
+    # rank 0's trajectories answer at once (~170 tokens), rank 1's search first (~260): with this budget rank 0's
+    # two fit one micro-batch, rank 1's do not
+    "layout": {"prompts_per_rollout": 2, "num_generations": 2, "mini_batch_size": 4, "micro_batch_size": 1,
+               "max_turns": 3, "max_tokens_per_micro_batch": 400, "share_prompt_prefix": "false"},
+    "fsdp": {"prompts_per_rollout": 4, "num_generations": 2, "mini_batch_size": 8, "micro_batch_size": 2,
+             "fsdp": "full_shard"},
 }
+VLLM_RUNS = ("vllm", "layout")
 VLLM_PATTERN = {
     # searches per trajectory, per rank: a trajectory with s searches takes s + 1 turns
     "uneven": {"max_turns": 4, "searches": [[0], [2, 1]]},
@@ -85,7 +94,7 @@ def _argv(name: str, out: Path, model: Path) -> list[str]:
     argv = ["--model_name_or_path", str(model), "--output_dir", str(out / name), *COMMON]
     for key, value in RUNS[name].items():
         argv += [f"--{key}", str(value)]
-    if name == "vllm":
+    if name in VLLM_RUNS:
         argv += ["--use_vllm", "true", "--vllm_mode", "server"]
     return argv
 
@@ -104,7 +113,8 @@ def two_ranks(tmp_path_factory, smollm2_tokenizer) -> TwoRanks:
         "model": str(model),
         "out": str(out),
         "vllm_pattern": VLLM_PATTERN,
-        "runs": {name: {"argv": _argv(name, out, model), "vllm": name == "vllm"} for name in RUNS},
+        "runs": {name: {"argv": _argv(name, out, model), "vllm": name in VLLM_RUNS, "fsdp": name == "fsdp"}
+                 for name in RUNS},
     }
     (root / "spec.json").write_text(json.dumps(spec, indent=1))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
@@ -314,3 +324,57 @@ def _split_at(events: list[dict], marker: str) -> list[list[dict]]:
             out[-1].append(e)
     return out
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# collective layout checks; sharded weights with the Transformers generator
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_layout_checks_reach_one_verdict_on_every_rank(two_ranks):
+    """pack_sequences is checked once on a micro-batch of two rows or more. In the layout run only rank 0's first
+    micro-batches hold two rows (its trajectories are short): a check on the ranks whose micro-batch qualifies would
+    leave rank 1 unchecked (and deadlock under ZeRO-3 / FSDP, whose forwards are collective). Every rank checks at
+    the same point and all take the same verdict; in every run the ranks agree on both layouts."""
+    first = [rank["chunks"][0] for rank in two_ranks.both("layout")]  # first step's micro-batches, per rank
+    assert max(c["rows"] for c in first[0]) >= 2 and max(c["rows"] for c in first[1]) == 1, first
+    for name in ("layout", "whole", "split", "vllm"):
+        verdicts = [rank["layouts"] for rank in two_ranks.both(name)]
+        assert verdicts[0] == verdicts[1], (name, verdicts)
+        assert verdicts[0]["packing"] is True, (name, verdicts)  # a random Llama isolates packed sequences
+    assert two_ranks.phase("whole", 0)["layouts"]["sharing"] is True
+    assert two_ranks.phase("layout", 0)["layouts"]["sharing"] is None  # share_prompt_prefix=False: never checked
+
+
+@pytest.mark.slow
+def test_fsdp_with_the_transformers_generator_is_refused_on_every_rank(two_ranks):
+    """The Transformers generator makes a different number of forwards on each rank, and an FSDP forward gathers
+    the weights from every rank: construction refuses, on both ranks, naming the fix."""
+    for rank in range(WORLD):
+        error = two_ranks.rank[rank]["phases"]["fsdp"].get("error", "")
+        assert "ValueError: FSDP (fsdp_version=2) with use_vllm=False" in error, error[-2000:]
+        assert "Set use_vllm=True" in error and "ZeRO-2" in error
+
+
+def test_sharded_generation_check():
+    """What each sharding allows with each generator: ZeRO-3 gathers the weights once around the rollout when
+    ds3_gather_for_generation is on; FSDP cannot; the vLLM engine holds its own weights."""
+    from types import SimpleNamespace
+
+    from trl_multiturn.trainer import _check_sharded_generation
+
+    def backend(fsdp=None, zero=0):
+        return SimpleNamespace(is_fsdp=fsdp is not None, fsdp_version=fsdp, is_zero3=zero == 3)
+
+    def args(use_vllm=False, gather=True):
+        return SimpleNamespace(use_vllm=use_vllm, ds3_gather_for_generation=gather)
+
+    for ok_args, ok_backend in [(args(), backend()), (args(), backend(zero=3)), (args(use_vllm=True), backend(fsdp=2)),
+                                (args(use_vllm=True, gather=False), backend(zero=3)), (args(gather=False), backend())]:
+        _check_sharded_generation(ok_args, ok_backend)
+    for version in (1, 2):
+        with pytest.raises(ValueError, match=f"FSDP \\(fsdp_version={version}\\) with use_vllm=False.*use_vllm=True"):
+            _check_sharded_generation(args(), backend(fsdp=version))
+    with pytest.raises(ValueError, match="ds3_gather_for_generation=False.*Set ds3_gather_for_generation=True"):
+        _check_sharded_generation(args(gather=False), backend(zero=3))

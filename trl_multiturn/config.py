@@ -60,7 +60,8 @@ GRPO_FIELDS: dict[str, tuple[str, str]] = {
     "num_generations": (HONORED, "G, the group size (rollout and advantages)."),
     "num_generations_eval": (HONORED, "G of evaluation rollouts and advantages."),
     "max_completion_length": (HONORED, "the token budget of a whole trajectory (actions and observations)."),
-    "ds3_gather_for_generation": (HONORED, "passed to unwrap_model_for_generation around the rollout."),
+    "ds3_gather_for_generation": (HONORED, "passed to unwrap_model_for_generation around the rollout; False is "
+                                           "refused under ZeRO-3 with the Transformers generator"),
     "shuffle_dataset": (HONORED, "TRL's train sampler."),
     "pad_to_multiple_of": (REFUSED, "micro-batches are re-padded to their own width (balance_micro_batches, "
                                     "compact_padding); leave it 'auto' (None off Neuron)"),
@@ -397,8 +398,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
         metadata={
             "help": "With compact_padding: pack several short sequences into one row of the training forward "
             "(first-fit decreasing into rows as wide as the micro-batch's longest sequence), each with its own "
-            "position ids, so attention stays within a sequence. Checked once per run on the first micro-batch "
-            "against the unpacked forward; turned off with a warning on models whose attention ignores it."
+            "position ids, so attention stays within a sequence. Checked once per run, on every process at the "
+            "first training rollout, against the unpacked forward (one verdict for all processes); turned off with "
+            "a warning on models whose attention ignores it."
         },
     )
 

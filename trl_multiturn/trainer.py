@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
+from trl.distributed import DistributedBackend
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 from trl.trainer.utils import split_tensor_dict
 
@@ -193,6 +194,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             peft_config=peft_config,
             rollout_func=self._rollout_func,
         )
+        _check_sharded_generation(args, DistributedBackend(self.accelerator))
         if self.aux_loss_enabled:  # TRL turns the MoE auxiliary loss on from the model's config
             raise ValueError(
                 f"{type(self.model).__name__} declares router_aux_loss_coef={self.router_aux_loss_coef} and returns "
@@ -529,6 +531,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             else:
                 batch = self._generate_and_score_completions(generation_batch)
             batch = _shuffle_groups(batch, self.num_generations)
+            self._check_layouts(batch)
             if self.args.balance_micro_batches:
                 chunks = _balanced_micro_batches(
                     batch, steps, self.args.gradient_accumulation_steps, self.args.max_tokens_per_micro_batch,
@@ -621,24 +624,69 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 self.args.max_tokens_per_micro_batch, self.args.gradient_accumulation_steps,
             )
 
+    def _check_layouts(self, batch: dict) -> None:
+        """The one-time checks of ``pack_sequences`` and ``share_prompt_prefix``, on every rank at the same point
+        (after the first training rollout) with the same forwards: under ZeRO-3 or FSDP each forward gathers weights
+        from every rank, so a check that ran on some ranks only would deadlock. Each rank checks rows of its own
+        rollout: the first prompt that repeats (up to 4 of its rows), or its first row twice, which repeats its
+        prompt too. The verdict is taken over all ranks (the largest error against its tolerance), so every rank
+        trains with the same layout."""
+        a = self.args
+        pack = a.compact_padding and a.pack_sequences and self._packing_checked is None
+        share = a.compact_padding and a.share_prompt_prefix and self._sharing_checked is None
+        if share and not _full_attention(self.accelerator.unwrap_model(self.model)):
+            self._sharing_checked = share = False  # sliding-window / linear-attention layers: never shared
+        if not (pack or share):
+            return
+        keys = _prompt_keys(batch["prompt_ids"], batch["prompt_mask"])
+        repeated = next((k for k, n in Counter(keys).items() if n > 1), None)
+        rows = [i for i, k in enumerate(keys) if k == repeated][:4] if repeated is not None else [0, 0]
+        index = torch.tensor(rows, device=batch["prompt_ids"].device)
+        input_ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], dim=1)  # (b, P+C)
+        attention_mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], dim=1)  # (b, P+C)
+        width = batch["completion_ids"].size(1)
+        # The rollout's rows are always contiguous (left-padded prompt, right-padded completion), so every rank runs
+        # the same forwards; elsewhere a rank has no objection.
+        contiguous = _prompt_completion_contiguous(attention_mask, width)
+        packing = sharing = None
+        if pack:
+            ids, mask, _, _, is_completion = _compact_rows(input_ids, attention_mask, width)
+            packing = self._packing_error(self.model, ids, mask, ids.masked_fill(~is_completion, -100)) if contiguous \
+                else (0.0, 1.0)
+        if share:
+            sharing = self._sharing_error(self.model, input_ids, attention_mask, width, [keys[i] for i in rows]) \
+                if contiguous else (0.0, 1.0)
+        self._settle_layouts(packing, sharing)
+
+    def _settle_layouts(self, packing: tuple[float, float] | None, sharing: tuple[float, float] | None) -> None:
+        """Sets the verdict of each one-time check given as this rank's (error, tolerance): every rank must call this
+        together (it gathers), and every rank gets the same verdict, from the largest error against its tolerance."""
+        mine = [x for check in (packing, sharing) for x in (check or (0.0, 1.0))]
+        acc = self.accelerator
+        table = acc.gather(torch.tensor([mine], dtype=torch.float64, device=acc.device)).view(-1, 2, 2)
+        worst = (table[..., 0] / table[..., 1]).max(0).values.tolist()  # (check,), over ranks
+        err = table[..., 0].max(0).values.tolist()
+        if packing is not None:
+            self._packing_checked = worst[0] < 1
+            if not self._packing_checked:
+                logger.warning(
+                    "pack_sequences: packed and unpacked log-probs differ by %.2e (mean) on this model (its attention "
+                    "does not isolate sequences by position ids); training without packing.", err[0],
+                )
+        if sharing is not None:
+            self._sharing_checked = worst[1] < 1
+            if not self._sharing_checked:
+                logger.warning(
+                    "share_prompt_prefix: log-probs with each prompt computed once differ from the plain forward by "
+                    "%.2e (mean) on this model (its attention has more than a causal mask: sliding window, soft-capping, "
+                    "sinks, or it does not run through transformers' AttentionInterface); training without prompt "
+                    "sharing.", err[1],
+                )
+
     def _sharing_planned(self, batch: dict) -> bool:
-        """Whether the micro-batches can be cut for the shared-prompt forward: sharing is on and, the first time, the
-        one-time check passes on the rollout's first repeated prompt (so a budget is never planned for a forward that
-        does not happen)."""
-        if not (self.args.share_prompt_prefix and self.args.compact_padding):
-            return False
-        if self._sharing_checked is None:
-            keys = _prompt_keys(batch["prompt_ids"], batch["prompt_mask"])
-            repeated = next((k for k, n in Counter(keys).items() if n > 1), None)
-            rows = [i for i, k in enumerate(keys) if k == repeated][:4]
-            if len(rows) > 1:
-                index = torch.tensor(rows, device=batch["prompt_ids"].device)
-                input_ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], dim=1)
-                attention_mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], dim=1)
-                width = batch["completion_ids"].size(1)
-                if _prompt_completion_contiguous(attention_mask, width):
-                    self._share_prefix(self.model, input_ids, attention_mask, width, [keys[i] for i in rows])
-        return self._sharing_checked is not False
+        """Whether the micro-batches can be cut for the shared-prompt forward: sharing is on and its one-time check
+        (:meth:`_check_layouts`) passed, so a budget is never planned for a forward that does not happen."""
+        return bool(self.args.share_prompt_prefix and self.args.compact_padding and self._sharing_checked)
 
     def _log_padding(self, chunks: list[dict]) -> None:
         """perf/useful_token_frac = real tokens / tokens processed (padding included) and perf/completion_token_frac
@@ -772,46 +820,47 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def _share_prefix(self, model, input_ids, attention_mask, completion_width, keys: list[tuple]) -> bool:
         """Whether this micro-batch's rows go through :meth:`_shared_prefix_forward`: ``share_prompt_prefix`` is on,
-        a prompt repeats in it (GRPO group members), every layer has full causal attention and the one-time check
-        passed. The check, the first time, scores the micro-batch both ways (no gradient, dropout off); sharing stays
-        off, with a warning, if the log-probs differ."""
-        if not self.args.share_prompt_prefix or self._sharing_checked is False:
+        its one-time check (:meth:`_check_layouts`) passed and a prompt repeats in it (GRPO group members). Before
+        the first training rollout a single process checks on this micro-batch; several processes wait for it."""
+        if not self.args.share_prompt_prefix or self._sharing_checked is False or not _shares_prompts(keys):
             return False
-        layer_types = getattr(self.accelerator.unwrap_model(model).config.get_text_config(), "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):  # sliding-window / linear-attention layers
-            return False
-        if not _shares_prompts(keys):
-            return False
-        if self._sharing_checked is None:
-            ids, mask, index, valid, is_completion = _compact_rows(input_ids, attention_mask, completion_width)
-            labels = ids.masked_fill(~is_completion, -100)
-            self._in_packing_check = True  # lets profilers tell this one-time pass from training
-            was_training = model.training
-            model.eval()
-            try:
-                with torch.no_grad():
-                    with self.accelerator.autocast():
-                        plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
-                    try:
-                        shared, _ = self._shared_prefix_forward(
-                            model, input_ids, attention_mask, completion_width, False, keys
-                        )
-                    except _SharedAttentionUnused:
-                        shared = None
-            finally:
-                self._in_packing_check = False
-                model.train(was_training)
-            plain = plain.gather(1, (index - 1).clamp(min=0))  # (b, C), as the compact path reads it
-            err = float("inf") if shared is None else float((plain - shared)[valid].abs().mean())
-            half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
-            self._sharing_checked = err < (5e-2 if half else 1e-3)
-            if not self._sharing_checked:
-                logger.warning(
-                    "share_prompt_prefix: log-probs with each prompt computed once differ from the plain forward by "
-                    "%.2e (mean) on this model (its attention has more than a causal mask: sliding window, soft-capping, "
-                    "sinks, ...); training without prompt sharing.", err,
-                )
-        return self._sharing_checked
+        if self._sharing_checked is None and self.accelerator.num_processes == 1:
+            if not _full_attention(self.accelerator.unwrap_model(model)):
+                self._sharing_checked = False  # sliding-window / linear-attention layers: never shared
+            else:
+                error = self._sharing_error(model, input_ids, attention_mask, completion_width, keys)
+                self._settle_layouts(None, error)
+        return bool(self._sharing_checked)
+
+    def _sharing_error(self, model, input_ids, attention_mask, completion_width,
+                       keys: list[tuple]) -> tuple[float, float]:
+        """The one-time check of ``share_prompt_prefix``: these rows scored both ways (no gradient, dropout off).
+        Returns (mean absolute log-prob difference, tolerance); infinite where the model's attention does not run
+        through transformers' AttentionInterface."""
+        ids, mask, index, valid, is_completion = _compact_rows(input_ids, attention_mask, completion_width)
+        labels = ids.masked_fill(~is_completion, -100)
+        self._in_packing_check = True  # lets profilers tell this one-time pass from training
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                with self.accelerator.autocast():
+                    plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+                try:
+                    shared, _ = self._shared_prefix_forward(
+                        model, input_ids, attention_mask, completion_width, False, keys
+                    )
+                except _SharedAttentionUnused:
+                    shared = None
+        finally:
+            self._in_packing_check = False
+            model.train(was_training)
+        plain = plain.gather(1, (index - 1).clamp(min=0))  # (b, C), as the compact path reads it
+        half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
+        if not valid.any():
+            return 0.0, 1.0
+        err = float("inf") if shared is None else float((plain - shared)[valid].abs().mean())
+        return err, (5e-2 if half else 1e-3)
 
     def _shared_prefix_forward(self, model, input_ids, attention_mask, completion_width, compute_entropy,
                                keys: list[tuple] | None = None):
@@ -873,36 +922,34 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         return lp, ent
 
     def _packing_ok(self, model, ids, mask, labels) -> bool:
-        """Packing is used once it has been checked on this model: the first time, one micro-batch is scored both
-        ways (no gradient, dropout off) and packing stays off, with a warning, if the log-probs differ."""
+        """Packing is used on micro-batches of two rows or more once its one-time check (:meth:`_check_layouts`) has
+        passed on this model. Before the first training rollout a single process checks on this micro-batch (in
+        training); several processes wait for it."""
         if mask.size(0) < 2:
             return False  # nothing to pack; and pi_old and the training pass must agree on every micro-batch
-        if self._packing_checked is None:
-            if not self.model.training:
-                return False
-            self._in_packing_check = True  # lets profilers tell this one-time pass from training
-            was_training = model.training
-            model.eval()  # both forwards without dropout (LoRA / attention dropout would differ between them)
-            try:
-                with torch.no_grad():
-                    with self.accelerator.autocast():
-                        plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
-                    packed, _ = self._packed_forward(model, ids, mask, labels, False)
-            finally:
-                self._in_packing_check = False
-                model.train(was_training)
-            scored = labels[:, 1:] != -100
-            if not scored.any():
-                return False
-            err = float((plain - packed)[scored].abs().mean())
-            half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
-            self._packing_checked = err < (5e-2 if half else 1e-3)  # a leaking mask changes log-probs by O(1)
-            if not self._packing_checked:
-                logger.warning(
-                    "pack_sequences: packed and unpacked log-probs differ by %.2e (mean) on this model (its attention "
-                    "does not isolate sequences by position ids); training without packing.", err,
-                )
-        return self._packing_checked
+        if self._packing_checked is None and self.accelerator.num_processes == 1 and self.model.training:
+            self._settle_layouts(self._packing_error(model, ids, mask, labels), None)
+        return bool(self._packing_checked)
+
+    def _packing_error(self, model, ids, mask, labels) -> tuple[float, float]:
+        """The one-time check of ``pack_sequences``: compacted rows scored packed and unpacked (no gradient, dropout
+        off). Returns (mean absolute log-prob difference, tolerance); a leaking mask changes log-probs by O(1)."""
+        self._in_packing_check = True  # lets profilers tell this one-time pass from training
+        was_training = model.training
+        model.eval()  # both forwards without dropout (LoRA / attention dropout would differ between them)
+        try:
+            with torch.no_grad():
+                with self.accelerator.autocast():
+                    plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+                packed, _ = self._packed_forward(model, ids, mask, labels, False)
+        finally:
+            self._in_packing_check = False
+            model.train(was_training)
+        scored = labels[:, 1:] != -100
+        half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
+        if not scored.any():
+            return 0.0, 1.0
+        return float((plain - packed)[scored].abs().mean()), (5e-2 if half else 1e-3)
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -1022,6 +1069,30 @@ def _check_vllm_logprobs(args) -> None:
         )
 
 
+def _check_sharded_generation(args, backend) -> None:
+    """The Transformers generator makes as many forwards on a rank as that rank's own turns and tokens need, so the
+    ranks make different numbers of them. A forward over sharded weights all-gathers them from every rank: FSDP (both
+    versions), or ZeRO-3 without ``ds3_gather_for_generation``, would deadlock. ZeRO-3 with it gathers the whole
+    model once around the rollout and removes the hooks (``unwrap_model_for_generation``), so every forward is local.
+    """
+    if args.use_vllm:
+        return
+    if backend.is_fsdp:
+        raise ValueError(
+            f"FSDP (fsdp_version={backend.fsdp_version}) with use_vllm=False: the Transformers generator makes a "
+            "different number of forwards on each rank (turns end at different times), and every FSDP forward "
+            "all-gathers the sharded weights from all ranks, so the rollout would deadlock. Set use_vllm=True, or "
+            "train with DDP, ZeRO-2, or ZeRO-3 with ds3_gather_for_generation=True."
+        )
+    if backend.is_zero3 and not args.ds3_gather_for_generation:
+        raise ValueError(
+            "DeepSpeed ZeRO-3 with ds3_gather_for_generation=False and use_vllm=False: the Transformers generator "
+            "makes a different number of forwards on each rank, and every ZeRO-3 forward gathers the sharded "
+            "weights from all ranks, so the rollout would deadlock. Set ds3_gather_for_generation=True (the weights "
+            "are gathered once around the rollout), or use_vllm=True."
+        )
+
+
 def _gather_list(accelerator, items: list) -> list:
     if accelerator.num_processes == 1:
         return list(items)
@@ -1124,6 +1195,12 @@ def _install_shared_prompt_attention(implementation: str | None) -> None:
 
     attention._shared_prompt_wrapper = True
     AttentionInterface.register(implementation, attention)
+
+
+def _full_attention(model) -> bool:
+    """Whether every layer of ``model`` has full causal attention (no sliding-window or linear-attention layers)."""
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    return all(t == "full_attention" for t in layer_types)
 
 
 def _prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[int, ...]]:
