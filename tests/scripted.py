@@ -8,9 +8,11 @@ stop strings and log-probs run unchanged.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+from transformers import TrainerCallback
 
 from trl_multiturn.generation import GenerationOutput
 
@@ -109,3 +111,14 @@ class Recorder:
 
         trainer.rollout.run = run_and_keep
         trainer._generate_and_score_completions = score_and_keep
+
+
+class SnapshotAfterFirstStep(TrainerCallback):
+    """Keeps a copy of the model's parameters as they were after the first optimizer step."""
+
+    def __init__(self, model):
+        self.model, self.state = model, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.state = copy.deepcopy(self.model.state_dict())

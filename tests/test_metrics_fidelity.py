@@ -1,16 +1,14 @@
 """Metrics that say what was trained: the eval loss, the completions table's advantages, the skipped update of a
 rollout without a loss token, and the sampler-vs-learner log-prob gap; and the refused vLLM sampling combination."""
 
-import copy
 import math
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
-from scripted import Recorder, logged
+from scripted import Recorder, SnapshotAfterFirstStep, logged
 from test_trainer import FeedbackEnv, SometimesFailingEnv, dataset, make_args, vowel_reward
-from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+from trl_multiturn import MultiTurnGRPOTrainer
 from trl_multiturn.environment import Step
 from trl_multiturn.loss import loss_normalizers, policy_loss, sampler_learner_gap
 
@@ -122,15 +120,6 @@ class EndsThenRunsLong(FeedbackEnv):
         if self.short:
             return Step(observation=None, done=True)
         return Step(observation="Invalid. " * 30)
-
-
-class SnapshotAfterFirstStep(TrainerCallback):
-    def __init__(self, model):
-        self.model, self.state = model, None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1:
-            self.state = copy.deepcopy(self.model.state_dict())
 
 
 def test_a_rollout_masked_by_truncation_skips_the_update(tmp_path, smollm2_tokenizer, tiny_model_factory):

@@ -11,9 +11,8 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
 
-from scripted import Recorder, logged
+from scripted import Recorder, SnapshotAfterFirstStep, logged
 
 from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 from trl_multiturn.advantages import turn_advantages
@@ -116,15 +115,6 @@ def merge_chunks(chunks):
             parts.append(v)
         out[key] = torch.cat(parts)
     return out
-
-
-class SnapshotAfterFirstStep(TrainerCallback):
-    def __init__(self, model):
-        self.model, self.state = model, None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1:
-            self.state = copy.deepcopy(self.model.state_dict())
 
 
 def test_logged_pg_loss_equals_recomputed_two_minibatches(tmp_path, smollm2_tokenizer, tiny_model_factory):
