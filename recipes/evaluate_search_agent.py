@@ -19,7 +19,6 @@ sampled exact match at the training temperature (k = 4 samples per question):
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import sys
@@ -44,9 +43,6 @@ class EvalArguments(recipe.SearchAgentArguments):
     max_completion_length: int = field(default=1024, metadata={"help": "Token budget of a trajectory (actions and observations)."})
     max_observation_tokens: int = field(default=256, metadata={"help": "Observations are cut to this many tokens."})
     output_json: str | None = field(default=None, metadata={"help": "Write the summary and per-question records here."})
-    heldout: str = field(default="first", metadata={"help": "Which held-out questions: 'first' (the first num_eval_questions of the split) or 'balanced' (the fixed set: heldout_size questions, half 1-hop and half 2-hop, drawn with heldout_seed; the same for every stage, so two stages can be compared question by question)."})
-    heldout_size: int = field(default=256, metadata={"help": "Questions in the 'balanced' held-out set (even; half of them 1-hop)."})
-    heldout_seed: int = field(default=0, metadata={"help": "Seed that draws the 'balanced' held-out set."})
     num_samples: int = field(default=0, metadata={"help": "Also sample this many trajectories per question (0 = greedy only, else >= 2) and report their mean exact match (sampled_exact_match)."})
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature of --num_samples (use the training temperature; 0.7 in recipes/configs)."})
     eval_seed: int = field(default=0, metadata={"help": "Seed of the sampled trajectories of --num_samples."})
@@ -60,15 +56,10 @@ def main(args: EvalArguments, model_args: ModelConfig) -> dict:
     from trl_multiturn.generation import SamplingParams
     from trl_multiturn.search.evaluation import heldout_rows
 
-    if args.heldout not in ("first", "balanced"):
-        raise ValueError(f"--heldout {args.heldout!r} must be 'first' or 'balanced'.")
-    if args.heldout == "balanced" and args.question_hops != "all":
-        raise ValueError(f"--heldout balanced draws 1- and 2-hop questions; drop --question_hops {args.question_hops}.")
-    load_args = dataclasses.replace(args, num_eval_questions=None) if args.heldout == "balanced" else args
-    corpus, train_rows, test_rows = recipe.load_data(load_args)
-    rows = test_rows if args.split == "test" else train_rows
-    if args.heldout == "balanced":
-        rows = heldout_rows(rows, args.heldout_size, args.heldout_seed)
+    corpus, train_rows, test_rows = recipe.load_data(args)  # --heldout balanced: the fixed held-out set
+    rows = test_rows
+    if args.split == "train":
+        rows = heldout_rows(train_rows, args.heldout_size, args.heldout_seed) if args.heldout == "balanced" else train_rows
     retriever = recipe.build_retriever(args, corpus)
     _, model, tokenizer = recipe.load_model(model_args, None)
     if args.adapter:

@@ -53,6 +53,11 @@ class SearchAgentArguments:
     question_hops: str = field(default="all", metadata={"help": "Keep only questions with this many hops, training and held-out: '1', '2' or 'all' (questions without a 'hops' field count as 1)."})
     num_train_questions: int | None = field(default=512, metadata={"help": "Training questions used (None = all)."})
     num_eval_questions: int | None = field(default=32, metadata={"help": "Held-out questions evaluated after each stage (None = all)."})
+    heldout: str = field(default="first", metadata={"help": "Which held-out questions: 'first' (the first num_eval_questions of the split) or 'balanced' (the fixed set: heldout_size questions, half 1-hop and half 2-hop, drawn with heldout_seed; the same for every stage and run, so two of them can be compared question by question)."})
+    heldout_size: int = field(default=256, metadata={"help": "Questions in the 'balanced' held-out set (even; half of them 1-hop)."})
+    heldout_seed: int = field(default=0, metadata={"help": "Seed that draws the 'balanced' held-out set."})
+    eval_every_steps: int = field(default=0, metadata={"help": "During GRPO, evaluate on the held-out questions every this many optimizer steps (0 = only after training): output_dir/eval_step<N>.json per point and learning_curve.png."})
+    baseline_eval: str | None = field(default=None, metadata={"help": "An evaluation JSON of the starting point on the same held-out questions (recipes/evaluate_search_agent.py --output_json): drawn as step 0 of the learning curve and compared with the final evaluation question by question (paired bootstrap 95%% CI in metrics.json)."})
     eval_batch_size: int = field(default=32, metadata={"help": "Trajectories generated together during evaluation."})
     eval_max_tokens_per_turn: int = field(default=96, metadata={"help": "Token cap of one turn during evaluation."})
     eval_before: bool = field(default=True, metadata={"help": "Evaluate the base model before training."})
@@ -118,7 +123,16 @@ def load_data(args: SearchAgentArguments):
         train = [r for r in train if int(r.get("hops", 1)) == keep]
         test = [r for r in test if int(r.get("hops", 1)) == keep]
     train = train[: args.num_train_questions] if args.num_train_questions else train
-    test = test[: args.num_eval_questions] if args.num_eval_questions else test
+    if args.heldout == "balanced":
+        from trl_multiturn.search.evaluation import heldout_rows
+
+        if args.question_hops != "all":
+            raise ValueError(f"--heldout balanced draws 1- and 2-hop questions; drop --question_hops {args.question_hops}.")
+        test = heldout_rows(test, args.heldout_size, args.heldout_seed)
+    elif args.heldout != "first":
+        raise ValueError(f"--heldout {args.heldout!r} must be 'first' or 'balanced'.")
+    else:
+        test = test[: args.num_eval_questions] if args.num_eval_questions else test
     return corpus, train, test
 
 
@@ -167,13 +181,15 @@ def load_model(model_args: ModelConfig, training_args):
     return path, model, tokenizer
 
 
-def evaluate(stage, model, tokenizer, rows, env_factory, args, training_args, results):
+def evaluate(stage, model, tokenizer, rows, env_factory, args, training_args, results, protocol=None):
     print(f"[{stage}] evaluating on {len(rows)} held-out questions", flush=True)
     out = evaluate_search_agent(
-        model, tokenizer, rows, env_factory, max_turns=training_args.max_turns,
+        model, tokenizer, rows, env_factory, protocol=protocol, max_turns=training_args.max_turns,
         max_completion_length=training_args.max_completion_length, max_tokens_per_turn=args.eval_max_tokens_per_turn,
         batch_size=args.eval_batch_size, accelerator=PartialState(),
     )
+    out["settings"] = {"heldout": args.heldout, "heldout_size": len(rows), "heldout_seed": args.heldout_seed,
+                       "kb_seed": args.kb_seed, "stage": stage}
     results.setdefault(stage, {}).update(summary=out["summary"], seconds=out["seconds"])
     if PartialState().is_main_process:  # every question's trajectory and score, for error analysis
         path = Path(training_args.output_dir) / f"eval_{stage}.json"
@@ -226,6 +242,62 @@ def plot_curves(log_history: list[dict], results: dict, path: Path) -> Path | No
     return path
 
 
+class HeldoutCurve:
+    """Held-out evaluations during GRPO: every ``every`` optimizer steps (a ``TrainerCallback``), one
+    ``eval_step<N>.json`` per point in ``out_dir`` (the final evaluation is written there too). Points already on
+    disk (a resumed run) are kept and not redone."""
+
+    def __init__(self, every: int, evaluate_fn, out_dir: Path):
+        from transformers import TrainerCallback
+
+        self.every, self.evaluate_fn, self.out_dir = every, evaluate_fn, Path(out_dir)
+        curve = self
+
+        class _Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                step = state.global_step
+                if curve.every and step % curve.every == 0 and step < state.max_steps:
+                    if not (curve.out_dir / f"eval_step{step}.json").exists():
+                        curve.evaluate_fn(f"step{step}", model)
+                return control
+
+        self.callback = _Callback()
+
+    def points(self, baseline: dict | None = None) -> list[dict]:
+        """``[{"step", "summary"}]`` sorted by step: the baseline as step 0, then every ``eval_step<N>.json``."""
+        pts = [{"step": 0, "summary": baseline["summary"]}] if baseline else []
+        for path in self.out_dir.glob("eval_step*.json"):
+            pts.append({"step": int(path.stem.removeprefix("eval_step")), "summary": json.loads(path.read_text())["summary"]})
+        return sorted(pts, key=lambda p: p["step"])
+
+
+def plot_learning_curve(points: list[dict], path: Path, baseline_label: str = "start") -> Path | None:
+    """Held-out exact match (overall, 1-hop, 2-hop) against the GRPO optimizer step; step 0 is the starting point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if len(points) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [p["step"] for p in points]
+    for key, label, style in (("all", "overall", "o-"), ("hops_1", "1-hop", "s--"), ("hops_2", "2-hop", "^--")):
+        if all(key in p["summary"] for p in points):
+            values = [p["summary"][key]["exact_match"] for p in points]
+            line, = ax.plot(steps, values, style, label=f"{label} (n={points[-1]['summary'][key]['n']})")
+            if steps[0] == 0:
+                ax.axhline(values[0], color=line.get_color(), linestyle=":", linewidth=0.8)
+    ax.set_xlabel(f"GRPO optimizer step (0 = {baseline_label})")
+    ax.set_ylabel("held-out exact match (greedy)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def warm_start_enabled(args: SearchAgentArguments, model) -> bool:
     if args.warm_start not in ("auto", "on", "off"):
         raise ValueError(f"--warm_start {args.warm_start!r} must be 'auto', 'on' or 'off'.")
@@ -258,7 +330,7 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
 
     if script_args.eval_before and not script_args.init_adapter:
         start = time.perf_counter()
-        evaluate("base", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
+        evaluate("base", model, tokenizer, test_rows, env_factory, script_args, training_args, results, protocol)
         results["base"]["stage_seconds"] = time.perf_counter() - start
 
     if script_args.init_adapter:
@@ -268,7 +340,7 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
         peft_config = None  # GRPO continues training the given adapter
         print(f"[init] adapter {script_args.init_adapter} loaded (trainable); no warm start", flush=True)
         if script_args.eval_before:
-            evaluate("init", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
+            evaluate("init", model, tokenizer, test_rows, env_factory, script_args, training_args, results, protocol)
     elif warm_start_enabled(script_args, model):
         from trl_multiturn.search import build_expert_trajectories
 
@@ -295,7 +367,7 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
         if state.is_main_process:  # keep the warm start: GRPO runs and ablations can start from it (--init_adapter)
             model.save_pretrained(out_dir / "sft_adapter")
             tokenizer.save_pretrained(out_dir / "sft_adapter")
-        evaluate("sft", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
+        evaluate("sft", model, tokenizer, test_rows, env_factory, script_args, training_args, results, protocol)
         results["sft"]["stage_seconds"] += results["sft"].get("seconds", 0.0)
 
     trainer = None
@@ -309,11 +381,26 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
             model=model, reward_funcs=[exact_match_reward], args=training_args, train_dataset=train_ds,
             processing_class=tokenizer, environment_factory=env_factory, protocol=protocol, peft_config=peft_config,
         )
+        curve = HeldoutCurve(
+            script_args.eval_every_steps,
+            lambda stage, m: evaluate(stage, m, tokenizer, test_rows, env_factory, script_args, training_args, {}, protocol),
+            out_dir,
+        )
+        trainer.add_callback(curve.callback)
         print(f"[grpo] {training_args.batch_plan.describe() if training_args.batch_plan else ''}", flush=True)
-        trainer.train()
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         model = trainer.model
-        evaluate("grpo", model, tokenizer, test_rows, env_factory, script_args, training_args, results)
+        final = evaluate("grpo", model, tokenizer, test_rows, env_factory, script_args, training_args, results, protocol)
         results["grpo"]["stage_seconds"] = time.perf_counter() - start
+        results["grpo"]["step"] = trainer.state.global_step
+        baseline = json.loads(Path(script_args.baseline_eval).read_text()) if script_args.baseline_eval else None
+        if state.is_main_process:  # the final point of the curve, kept when a resumed run goes further
+            (out_dir / f"eval_step{trainer.state.global_step}.json").write_text(json.dumps(final, indent=1, default=str))
+        results["curve"] = curve.points(baseline)
+        if baseline is not None:
+            from trl_multiturn.search.evaluation import compare_evaluations
+
+            results["paired_vs_baseline"] = compare_evaluations(baseline["records"], final["records"])
 
     results["total_minutes"] = (time.perf_counter() - t0) / 60
     results["hardware"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{os.cpu_count()}"
@@ -324,6 +411,9 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
         (out_dir / "metrics.json").write_text(json.dumps(results, indent=2, default=str))
         (out_dir / "log_history.json").write_text(json.dumps(history, indent=2, default=str))
         plot = plot_curves(history, results, out_dir / "training_curves.png")
+        if results.get("curve"):
+            plot_learning_curve(results["curve"], out_dir / "learning_curve.png",
+                                "baseline_eval" if script_args.baseline_eval else "first evaluation")
         save_and_publish(model, tokenizer, base_path, out_dir, results, plot, script_args, training_args, push)
     return results
 

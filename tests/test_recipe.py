@@ -198,3 +198,41 @@ def test_steps_to_reach_uses_a_moving_average():
     assert ablation.steps_to_reach(history, "em", 0.4) == 6  # 0.5 alone at step 2 is not enough
     assert ablation.steps_to_reach(history, "em", 0.3, window=1) == 2
     assert ablation.steps_to_reach(history, "em", 0.95) is None
+
+
+def test_recipe_heldout_curve_paired_comparison_and_resume(tmp_path, tiny_model_dir):
+    """The learning-proof stages: a warm start saved; GRPO from it with held-out evaluations every step on the
+    balanced set (eval_step<N>.json, learning_curve.png), the final evaluation paired with the warm start's; a run
+    resumed from its checkpoint keeps the earlier points and does not redo them."""
+    recipe = load_recipe()
+    i = SMALL.index("--num_eval_questions")
+    small = SMALL[:i] + SMALL[i + 2 :]
+    common = ["--model_name_or_path", str(tiny_model_dir), "--heldout", "balanced", "--heldout_size", "4", *small]
+    warm = tmp_path / "warm"
+    recipe.main(*parse(recipe, [*common, "--output_dir", str(warm), "--warm_start", "on", "--grpo", "false",
+                                "--eval_before", "false"]))
+    baseline = json.loads((warm / "eval_sft.json").read_text())
+    assert [r["hops"] for r in baseline["records"]].count(1) == 2 and baseline["settings"]["heldout"] == "balanced"
+
+    out = tmp_path / "grpo"
+    grpo = [*common, "--output_dir", str(out), "--init_adapter", str(warm / "sft_adapter"), "--eval_before", "false",
+            "--baseline_eval", str(warm / "eval_sft.json"), "--eval_every_steps", "1", "--save_strategy", "steps",
+            "--save_steps", "1"]
+    results = recipe.main(*parse(recipe, [*grpo, "--max_steps", "2"]))
+    assert json.loads((out / "eval_step2.json").read_text()) == json.loads((out / "eval_grpo.json").read_text())
+    assert [p["step"] for p in results["curve"]] == [0, 1, 2]
+    assert results["curve"][0]["summary"] == baseline["summary"]
+    assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    paired = results["paired_vs_baseline"]["exact_match"]
+    final = json.loads((out / "eval_grpo.json").read_text())["records"]
+    diffs = {r["id"]: r["exact_match"] for r in final}
+    expected = sum(diffs[r["id"]] - r["exact_match"] for r in baseline["records"]) / 4
+    assert paired["all"]["n"] == 4 and paired["all"]["diff"] == pytest.approx(expected)
+    assert paired["all"]["ci_low"] <= paired["all"]["diff"] <= paired["all"]["ci_high"]
+
+    kept = {n: (out / f"eval_step{n}.json").stat().st_mtime_ns for n in (1, 2)}
+    resumed = recipe.main(*parse(recipe, [*grpo, "--max_steps", "3", "--resume_from_checkpoint",
+                                          str(out / "checkpoint-2")]))
+    assert resumed["grpo"]["step"] == 3
+    assert {n: (out / f"eval_step{n}.json").stat().st_mtime_ns for n in (1, 2)} == kept  # not redone
+    assert [p["step"] for p in resumed["curve"]] == [0, 1, 2, 3]
