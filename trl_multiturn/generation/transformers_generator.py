@@ -1,96 +1,27 @@
-"""Generation backends: sample one turn for a batch of contexts, returning exact ids and their log-probs.
-
-Two backends share one API, ``generate(contexts, max_new_tokens, params) -> list[GenerationOutput]``:
-
-``TransformersGenerator`` is a batched sampling loop over a Hugging Face causal LM. It is ours rather than
-``model.generate`` (which TRL's own multi-turn path calls once per turn) because a multi-turn rollout needs what
-``generate`` does not give:
-
-* the sampling log-prob of every token from the very logits it was sampled from (``log_softmax(logits / T)``, the
-  quantity TRL and VeRL recompute as the old policy);
-* stop strings checked on the decoded tail of each row (a stop string spanning several tokens is caught) and
-  nothing generated for a row after it stopped;
-* **no recomputation of the history across turns.** Each trajectory owns a :class:`GenerationSession` that keeps the
-  K/V of every token it has seen. At turn k+1 only the tokens appended since turn k (the last sampled token, the
-  observation and its template tokens) are prefilled; TRL re-prefills the whole history at every turn;
-* **shared prompt prefixes computed once.** Rows that start a trajectory together and begin with the same ids
-  (the system prompt and tool schema; the G copies of a GRPO prompt) share the K/V of their common prefix;
-* **rows that join and leave a running batch.** Besides the batch call ``generate``, the backend exposes
-  ``submit`` / ``step``: a request joins the running batch at the next decode step (its new tokens are prefilled on
-  their own and its K/V merged into the batch), and a row whose turn ended leaves the batch at once, so one slow
-  trajectory never holds the others back. :class:`~trl_multiturn.rollout.MultiTurnRollout` drives this from its
-  main thread while environment steps run in its thread pool.
-
-How the K/V are kept: a running batch holds, per layer, one buffer of shape (A, H_kv, capacity, D) with every row
-left-padded so that all rows end at the same column ``W``; a decode step writes one column in place (capacity
-doubles when full), so a step never copies the cache (transformers' ``DynamicCache`` concatenates the whole cache
-at every step). The buffer is rebuilt only when rows join or leave. A row that leaves stores its own K/V, without
-padding, in its session. Padding and position ids: each row's positions count its own tokens only
-(``0 .. L_i - 1``); padding columns get attention 0. When joining rows have new chunks of different lengths, a
-row with a shorter chunk re-feeds the last few tokens of its history instead of padding (same compute, and every
-row's K/V stays contiguous). Models whose cache is not a transformers ``Cache`` (a scripted test model), or
-whose layers are not all full attention (sliding-window, linear-attention), or ``kv_reuse=False``, take the
-reference path: one batch per call, full prefill of every context, nothing kept between calls.
-
-Sampling is reproducible per trajectory: each session draws its own seed from the generator's
-``torch.Generator`` when it is created (in trajectory order) and samples from its own stream (inverse-CDF, one
-uniform per token), so the ids of a trajectory do not depend on which other rows shared its batch or on when its
-environment answered. (The reference path samples the batch from the shared generator.)
-
-``VLLMGenerator`` sends each turn's token-id prompts through TRL's vLLM integration (``use_vllm=True``): an
-in-process ``vllm.LLM`` (colocate mode) or ``VLLMClient`` (server mode), with the protocol's stop strings and
-per-row token budgets. vLLM keeps its own prefix cache, so history is not recomputed there either.
-
-Log-prob convention: like TRL and VeRL, the log-prob is taken under the temperature-scaled distribution before
-top-k / top-p filtering (greedy decoding: under the raw logits).
+"""The transformers backend: :class:`TransformersGenerator`, a batched sampling loop over a Hugging Face causal LM
+whose rows join and leave a running batch, with each trajectory's K/V kept across turns in its
+:class:`GenerationSession`; and its reference path (full prefill, no K/V kept) for models that cannot reuse K/V.
+The design is described in the package docstring (``trl_multiturn/generation/__init__.py``).
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
-# ---------------------------------------------------------------------------------------------------------------
-# Shared types
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SamplingParams:
-    """Sampling settings for one turn (mirrors TRL's ``GRPOConfig`` generation fields)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    greedy: bool = False
-    stop_strings: tuple[str, ...] = ()
-
-
-@dataclass
-class GenerationOutput:
-    """One sampled turn.
-
-    Attributes:
-        ids: (n,) sampled token ids, up to and including the stop token (EOS or the token completing a stop string).
-        logprobs: (n,) log-prob of each sampled id under ``log_softmax(logits / temperature)``.
-        finish_reason: "eos", "stop" (a stop string) or "length" (``max_new_tokens`` reached).
-        prefill_tokens: context tokens computed for this row before its first sample (the new tokens, plus history
-            tokens re-fed to align a batch; the whole context when no cache was reused).
-        cached_tokens: context tokens whose K/V came from the row's session instead of being computed.
-    """
-
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = "length"
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
+from .kv_buffer import (
+    _CACHE_KWARG,
+    _BufferLayer,
+    _cache_of,
+    _make_cache,
+    _right_cols,
+    _stack_right_aligned,
+    _supports_kv_reuse,
+)
+from .sampling import GenerationOutput, SamplingParams, _eos_ids, _filter_logits, _StopChecker
 
 
 class GenerationSession:
@@ -132,153 +63,8 @@ class GenerationSession:
         return same
 
 
-def _cache_kwarg_name() -> str:
-    """transformers >= 5.2x renamed ``past_key_values`` to ``cache``; support both."""
-    from transformers import LlamaForCausalLM
-
-    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
-_CACHE_KWARG = _cache_kwarg_name()
-
-
-def _cache_of(output):
-    return getattr(output, "cache", None) if _CACHE_KWARG == "cache" else output.past_key_values
-
-
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
-    """Mask logits outside top-k / top-p / min-p with -inf, in transformers' order. logits: (B, V). min-p drops the
-    tokens whose probability is below ``min_p`` times the most likely one's (a ratio, so the order after top-p
-    does not matter)."""
-    if top_k and top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))  # (B, V)
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # (B, V)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # (B, V)
-        drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # (B, V) keep the token that crosses top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # (B, V) back to vocabulary order
-        logits = logits.masked_fill(drop, float("-inf"))  # (B, V)
-    if min_p and min_p > 0.0:
-        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
-        floor = logp.max(dim=-1, keepdim=True).values + math.log(min_p)  # (B, 1) log(min_p * p_max)
-        logits = logits.masked_fill(logp < floor, float("-inf"))  # (B, V)
-    return logits
-
-
-def _eos_ids(tokenizer, model=None) -> set[int]:
-    eos = tokenizer.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    gen_cfg = getattr(model, "generation_config", None) if model is not None else None
-    cfg_eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
-    if cfg_eos is not None:
-        ids |= set(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
-    return ids
-
-
-class _StopChecker:
-    """Decides whether a row's turn is over after its latest token (EOS, a stop string in the decoded tail, budget)."""
-
-    def __init__(self, tokenizer, eos_ids: set[int], stop_strings: tuple[str, ...]):
-        self.tokenizer = tokenizer
-        self.eos_ids = eos_ids
-        self.stop_strings = tuple(s for s in stop_strings if s)
-        self.tail = 1 + max(
-            (len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in self.stop_strings), default=0
-        )
-
-    def __call__(self, ids: list[int], max_new_tokens: int) -> str | None:
-        if ids[-1] in self.eos_ids:
-            return "eos"
-        if self.stop_strings:
-            tail = self.tokenizer.decode(ids[-self.tail :], skip_special_tokens=False)
-            if any(s in tail for s in self.stop_strings):
-                return "stop"
-        if len(ids) >= max_new_tokens:
-            return "length"
-        return None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# transformers backend: K/V buffers of a running batch
-# ---------------------------------------------------------------------------------------------------------------
-
-
 #: rows that start a trajectory share their common prefix's K/V when it is at least this long
 _MIN_SHARED_PREFIX = 16
-
-
-def _supports_kv_reuse(model) -> bool:
-    """True for transformers models whose decoder layers are all full attention (their K/V can be split by row)."""
-    from transformers import PreTrainedModel
-
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    if not isinstance(base, PreTrainedModel) or _CACHE_KWARG != "cache":
-        return False
-    config = base.config.get_text_config(decoder=True)
-    if getattr(config, "is_encoder_decoder", False):
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        return False
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return False
-    return True
-
-
-class _BufferLayer(DynamicLayer):
-    """One layer's K/V for a left-padded batch: ``kbuf``/``vbuf`` (A, H_kv, capacity, D), all rows end at ``width``.
-
-    ``update`` writes the new columns in place (doubling the capacity when full) and returns views of the first
-    ``width`` columns, so a decode step costs O(A) writes instead of a copy of the whole cache.
-    """
-
-    def __init__(self, kbuf: torch.Tensor | None = None, vbuf: torch.Tensor | None = None, width: int = 0, reserve: int = 0):
-        super().__init__()
-        self.kbuf, self.vbuf, self.width, self.reserve = kbuf, vbuf, width, reserve
-        if kbuf is not None:
-            self.is_initialized, self.device = True, kbuf.device
-            self.keys, self.values = kbuf[:, :, :width], vbuf[:, :, :width]
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.device, self.is_initialized = key_states.device, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        if self.kbuf is None:
-            a, h, _, d = key_states.shape
-            self.kbuf = key_states.new_zeros(a, h, n + self.reserve, d)  # (A, H, cap, D)
-            self.vbuf = value_states.new_zeros(a, h, n + self.reserve, value_states.shape[-1])
-        elif self.width + n > self.kbuf.shape[-2]:
-            cap = max(2 * self.kbuf.shape[-2], self.width + n)
-            self.kbuf = _grow(self.kbuf, self.width, cap)
-            self.vbuf = _grow(self.vbuf, self.width, cap)
-        self.kbuf[:, :, self.width : self.width + n].copy_(key_states)
-        self.vbuf[:, :, self.width : self.width + n].copy_(value_states)
-        self.width += n
-        self.keys, self.values = self.kbuf[:, :, : self.width], self.vbuf[:, :, : self.width]  # (A, H, W, D) views
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.width
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.width + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-def _grow(buf: torch.Tensor, width: int, cap: int) -> torch.Tensor:
-    out = buf.new_zeros(buf.shape[0], buf.shape[1], cap, buf.shape[3])  # (A, H, cap, D)
-    out[:, :, :width].copy_(buf[:, :, :width])
-    return out
-
-
-def _make_cache(layers: list[_BufferLayer]) -> Cache:
-    return Cache(layers=layers)
 
 
 @dataclass
@@ -308,14 +94,14 @@ class _Batch:
 
 
 class TransformersGenerator:
-    """Batched sampling with a transformers model, with K/V kept per trajectory across turns (see module docstring).
+    """Batched sampling with a transformers model, K/V kept per trajectory across turns (see the package docstring).
 
     Args:
         model: a causal LM (``PreTrainedModel`` or a PEFT wrapper). The caller puts it in eval mode.
         tokenizer: used to decode tails for stop strings and for the pad / eos ids.
         generator: optional ``torch.Generator``; sessions draw their sampling seeds from it (reproducible rollouts).
         kv_reuse: keep K/V across turns and let rows join and leave a running batch. ``False`` (or a model that
-            cannot, see module docstring) takes the reference path: full prefill, one batch per call.
+            cannot, see the package docstring) takes the reference path: full prefill, one batch per call.
         max_batch_size: at most this many rows decode together (``None``: no limit); others wait in the queue.
         logits_processor: optional ``fn(row_ids, logits) -> logits`` applied to the raw (A, V) logits before
             sampling, with ``row_ids[a]`` the full ids of row ``a`` (context + sampled so far). For forcing text in
@@ -799,258 +585,3 @@ class TransformersGenerator:
             past = _cache_of(out)
             logits = out.logits[:, -1, :].float()  # (A, V)
         return outputs
-
-
-def _right_cols(t: torch.Tensor, w: int) -> torch.Tensor:
-    """The last ``w`` columns of a (R, W0) mask, left-padded with zeros when W0 < w."""
-    if t.shape[1] >= w:
-        return t[:, t.shape[1] - w :]
-    return torch.cat([t.new_zeros(t.shape[0], w - t.shape[1]), t], dim=1)
-
-
-def _stack_right_aligned(parts: list[tuple[torch.Tensor, int]], w: int, cap: int) -> torch.Tensor:
-    """Stack buffers (R_i, H, cap_i, D) whose rows end at column ``width_i`` into one (sum R_i, H, cap, D) buffer
-    whose rows end at column ``w`` (the last min(width_i, w) columns of each part are kept)."""
-    ref = parts[0][0]
-    total = sum(buf.shape[0] for buf, _ in parts)
-    out = ref.new_empty(total, ref.shape[1], cap, ref.shape[3])  # (R, H, cap, D)
-    start = 0
-    for buf, width in parts:
-        rows = buf.shape[0]
-        cols = min(width, w)
-        if cols < w:
-            out[start : start + rows, :, : w - cols].zero_()
-        out[start : start + rows, :, w - cols : w].copy_(buf[:, :, width - cols : width])
-        start += rows
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# vLLM backend through TRL's integration
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class Collectives:
-    """The collective operations :class:`VLLMGenerator` needs, over the ranks that share one vLLM engine.
-
-    ``all_gather(obj)`` returns the objects of every rank in rank order, ``broadcast(obj)`` returns rank 0's object
-    on every rank; ``rank`` and ``is_main`` say where this process stands. The default for one process is the
-    identity; :meth:`for_server` uses ``accelerate`` over all processes (server mode), :meth:`for_group` uses
-    ``torch.distributed`` on a tensor-parallel group (colocate mode). Tests pass a stand-in with the same methods.
-    """
-
-    rank = 0
-    is_main = True
-
-    def all_gather(self, obj) -> list:
-        return [obj]
-
-    def broadcast(self, obj):
-        return obj
-
-    @staticmethod
-    def for_server(accelerator) -> Collectives:
-        if accelerator is None or accelerator.num_processes == 1:
-            return Collectives()
-        return _AccelerateCollectives(accelerator)
-
-    @staticmethod
-    def for_group(group) -> Collectives:
-        return Collectives() if group is None else _GroupCollectives(group)
-
-
-class _AccelerateCollectives(Collectives):
-    def __init__(self, accelerator):
-        self.accelerator = accelerator
-        self.rank, self.is_main = accelerator.process_index, accelerator.is_main_process
-
-    def all_gather(self, obj) -> list:
-        from accelerate.utils import gather_object
-
-        return gather_object([obj])
-
-    def broadcast(self, obj):
-        from accelerate.utils import broadcast_object_list
-
-        box = [obj]
-        broadcast_object_list(box, from_process=0)
-        return box[0]
-
-
-class _GroupCollectives(Collectives):
-    def __init__(self, group):
-        import torch.distributed as dist
-
-        self.group, self.dist = group, dist
-        self.rank = dist.get_rank(group=group)
-        self.is_main = self.rank == 0
-
-    def all_gather(self, obj) -> list:
-        out = [None] * self.dist.get_world_size(group=self.group)
-        self.dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def broadcast(self, obj):
-        box = [obj]
-        self.dist.broadcast_object_list(box, group_src=0, group=self.group)
-        return box[0]
-
-
-class VLLMGenerator:
-    """One turn for a batch of token-id contexts through TRL's vLLM integration (``use_vllm=True``).
-
-    Departures from TRL's ``VLLMGeneration.generate``, which serves single-turn prompts: each row has its own token
-    budget and the protocol's stop strings (vLLM ``stop`` with ``include_stop_str_in_output=True``, so a turn never
-    runs past ``</search>``), ranks may hold different numbers of rows (each rank's rows are gathered as one list),
-    and the sampled ids come back with their log-probs and a finish reason. Prompts are token ids, never re-encoded
-    text; vLLM's prefix cache keeps the history of a trajectory from being recomputed at the next turn.
-
-    Collective-call rule: in server mode every rank gathers its rows to the main process, which calls the server,
-    and receives the results by broadcast; in colocate mode with tensor parallelism the ranks of a group gather
-    their rows and all call the engine. Both are collective, so **every rank must call** :meth:`generate` **the
-    same number of times**, also with no rows. This backend sets ``requires_collective_calls = True``, and
-    :class:`~trl_multiturn.rollout.MultiTurnRollout` then makes exactly ``max_turns`` calls per rollout on every
-    rank, with an empty list once its own trajectories are done (the engine is not called when no rank has a row).
-
-    Args:
-        tokenizer: the policy's tokenizer (stop-string checks and EOS ids).
-        mode: "colocate" (``llm`` is an in-process ``vllm.LLM``) or "server" (``client`` is TRL's ``VLLMClient``).
-        llm: the ``vllm.LLM`` of colocate mode (TRL's ``trainer.vllm_generation.llm``).
-        client: the ``VLLMClient`` of server mode (TRL's ``trainer.vllm_generation.vllm_client``).
-        collectives: a :class:`Collectives` (default: one process; :meth:`from_trl` picks the right one).
-        sampling_params_cls: vLLM's ``SamplingParams`` (imported from ``vllm`` when not given; tests pass a stand-in).
-        generation_kwargs: extra vLLM sampling parameters (``seed``, ``repetition_penalty``, ...), as TRL's
-            ``generation_kwargs``.
-    """
-
-    supports_streaming = False
-    requires_collective_calls = True
-
-    def __init__(
-        self,
-        tokenizer,
-        mode: str,
-        llm=None,
-        client=None,
-        collectives: Collectives | None = None,
-        sampling_params_cls=None,
-        generation_kwargs: dict | None = None,
-    ):
-        if mode not in ("colocate", "server"):
-            raise ValueError(f"VLLMGenerator mode must be 'colocate' or 'server'; got {mode!r} (TRL's vllm_mode).")
-        if mode == "colocate" and llm is None:
-            raise ValueError("VLLMGenerator(mode='colocate') needs llm (TRL's trainer.vllm_generation.llm).")
-        if mode == "server" and client is None:
-            raise ValueError("VLLMGenerator(mode='server') needs client (TRL's trainer.vllm_generation.vllm_client).")
-        self.tokenizer = tokenizer
-        self.mode = mode
-        self.llm = llm
-        self.client = client
-        self.collectives = collectives or Collectives()
-        self._sampling_params_cls = sampling_params_cls
-        self.generation_kwargs = dict(generation_kwargs or {})
-        self.eos_token_ids = _eos_ids(tokenizer)
-        self.calls = 0
-
-    @classmethod
-    def from_trl(cls, vllm_generation, tokenizer, generation_kwargs: dict | None = None) -> VLLMGenerator:
-        """Build from TRL's ``trainer.vllm_generation`` (``trl.generation.vllm_generation.VLLMGeneration``)."""
-        mode = vllm_generation.mode
-        kwargs = dict(vllm_generation.generation_kwargs or {})
-        kwargs.update(generation_kwargs or {})
-        if mode == "server":
-            collectives = Collectives.for_server(vllm_generation.accelerator)
-        else:
-            tp = getattr(vllm_generation, "tensor_parallel_size", 1)
-            collectives = Collectives.for_group(vllm_generation.tp_group if tp > 1 else None)
-        return cls(
-            tokenizer,
-            mode,
-            llm=getattr(vllm_generation, "llm", None) if mode == "colocate" else None,
-            client=getattr(vllm_generation, "vllm_client", None) if mode == "server" else None,
-            collectives=collectives,
-            generation_kwargs=kwargs,
-        )
-
-    def _sampling_kwargs(self, params: SamplingParams, max_tokens: int) -> dict:
-        kwargs = {
-            "n": 1,
-            "temperature": 0.0 if params.greedy else params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "max_tokens": max_tokens,
-            "logprobs": 0,
-            "skip_special_tokens": False,
-        }
-        stops = [s for s in params.stop_strings if s]
-        if stops:
-            kwargs["stop"] = stops
-            kwargs["include_stop_str_in_output"] = True
-        kwargs.update(self.generation_kwargs)
-        return kwargs
-
-    def generate(
-        self, contexts: list[list[int]], max_new_tokens: list[int] | int, params: SamplingParams
-    ) -> list[GenerationOutput]:
-        """Sample one turn for each context (collective: see the class docstring)."""
-        n = len(contexts)
-        if isinstance(max_new_tokens, int):
-            max_new_tokens = [max_new_tokens] * n
-        self.calls += 1
-        stop = _StopChecker(self.tokenizer, self.eos_token_ids, tuple(params.stop_strings))
-        rows = [(list(c), int(b)) for c, b in zip(contexts, max_new_tokens) if b > 0]
-        gathered = self.collectives.all_gather(rows)  # one list of (ids, budget) per rank
-        flat = [row for part in gathered for row in part]
-        if self.mode == "colocate":
-            results = self._generate_colocate(flat, params) if flat else []
-        else:
-            results = self._generate_server(flat, params) if self.collectives.is_main and flat else None
-            results = self.collectives.broadcast(results) or []
-        start = sum(len(part) for part in gathered[: self.collectives.rank])
-        mine = iter(results[start : start + len(rows)])
-        outputs = []
-        for ctx, budget in zip(contexts, max_new_tokens):
-            if budget <= 0:
-                outputs.append(GenerationOutput())
-                continue
-            ids, logprobs = next(mine)
-            ids, logprobs = list(ids)[:budget], list(logprobs)[:budget]  # server mode asks for the largest budget
-            reason = (stop(ids, budget) or "length") if ids else "length"
-            outputs.append(GenerationOutput(ids=ids, logprobs=logprobs, finish_reason=reason, prefill_tokens=len(ctx)))
-        return outputs
-
-    def _generate_colocate(self, rows, params) -> list[tuple[list[int], list[float]]]:
-        cls = self._sampling_params_cls
-        if cls is None:
-            from vllm import SamplingParams as cls  # noqa: N813
-        sampling = [cls(**self._sampling_kwargs(params, budget)) for _, budget in rows]
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in rows], sampling_params=sampling, use_tqdm=False)
-        results = []
-        for request in outs:
-            o = request.outputs[0]
-            ids = list(o.token_ids)
-            logprobs = [float(step[t].logprob) for step, t in zip(o.logprobs or [], ids)]
-            if len(logprobs) != len(ids):
-                raise RuntimeError(
-                    f"vLLM returned {len(ids)} ids but {len(logprobs)} log-probs; the sampling parameters must ask for "
-                    "logprobs=0 (the sampled token's log-prob)."
-                )
-            results.append((ids, logprobs))
-        return results
-
-    def _generate_server(self, rows, params) -> list[tuple[list[int], list[float]]]:
-        """One request to the server for every rank's rows (main process only); ``max_tokens`` is the largest
-        budget and each row is cut to its own afterwards."""
-        kwargs = self._sampling_kwargs(params, max(b for _, b in rows))
-        direct = {k: kwargs.pop(k) for k in ("temperature", "top_p", "top_k", "max_tokens", "logprobs")}
-        kwargs.pop("n")
-        out = self.client.generate(prompts=[ids for ids, _ in rows], n=1, generation_kwargs=kwargs, **direct)
-        token_lists = out.get("logprob_token_ids") or [None] * len(rows)
-        results = []
-        for ids, steps, step_ids in zip(out["completion_ids"], out["logprobs"], token_lists):
-            picked = []
-            for t, (token, step) in enumerate(zip(ids, steps)):
-                k = step_ids[t].index(token) if step_ids is not None and token in step_ids[t] else 0
-                picked.append(float("nan") if step[k] is None else float(step[k]))
-            results.append((list(ids), picked))
-        return results
