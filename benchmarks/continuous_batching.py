@@ -19,7 +19,6 @@ Continuous batching has no stop strings and no per-trajectory sampling stream; t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -155,17 +154,17 @@ def main(argv=None) -> dict:
             print(f"  round {r}: {name:16s} {seconds:.2f} s", flush=True)
     counter.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\n{'':24s}{'ours':>12s}{'transformers CB':>18s}")
-    print(f"{'wall time (s)':24s}{med['ours']:>12.2f}{med['transformers_cb']:>18.2f}")
-    print(f"{'generated tokens/s':24s}{generated / med['ours']:>12.1f}{generated / med['transformers_cb']:>18.1f}")
-    print(f"{'positions computed':24s}{computed['ours']:>12d}{computed['transformers_cb']:>18d}")
+    sides = ("ours", "transformers_cb")
+    W.print_table(["ours", "transformers CB"], [
+        ("wall time (s)", "{:.2f}", [med[s] for s in sides]),
+        ("generated tokens/s", "{:.1f}", [generated / med[s] for s in sides]),
+        ("positions computed", "{:d}", [computed[s] for s in sides]),
+    ], label_width=24, widths=[12, 18])
     result = {"benchmark": "continuous_batching", "settings": vars(args), "generated_tokens": generated,
               "seconds": times, "median_s": med, "positions_computed": computed,
               "ours_over_cb_speed": med["transformers_cb"] / med["ours"]}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"speed ours / transformers CB: {result['ours_over_cb_speed']:.2f}x; wrote {out}")
+    print(f"speed ours / transformers CB: {result['ours_over_cb_speed']:.2f}x")
+    W.write_result(result, args.out)
     return result
 
 

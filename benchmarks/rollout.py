@@ -223,8 +223,6 @@ def main(argv=None) -> dict:
     appended = med["ours"]["observation_tokens"] + sum(t - 1 for t in rounds[0]["ours"]["turns"])
     per_new = {side: later_prefill[side] / max(appended, 1) for side in sides}
 
-    print()
-    print(f"{'':34s}{'TRL 1.16':>14s}{'ours':>14s}")
     rows = [
         ("trajectories / s", "trajectories_per_s", "{:.3f}"),
         ("generated tokens / s", "generated_tokens_per_s", "{:.1f}"),
@@ -240,10 +238,11 @@ def main(argv=None) -> dict:
         ("env time, calls (s)", "env_busy_s", "{:.3f}"),
         ("env time, waited (s)", "env_wait_s", "{:.3f}"),
     ]
-    for label, key, fmt in rows:
-        print(f"{label:34s}{fmt.format(med['trl'][key]):>14s}{fmt.format(med['ours'][key]):>14s}")
-    print(f"{'prefill / generated, turns >= 2':34s}{later['trl']:>14.2f}{later['ours']:>14.2f}")
-    print(f"{'prefill / appended token, turns >= 2':34s}{per_new['trl']:>14.2f}{per_new['ours']:>14.2f}")
+    W.print_table(["TRL 1.16", "ours"], [
+        *((label, fmt, [med[side][key] for side in ("trl", "ours")]) for label, key, fmt in rows),
+        ("prefill / generated, turns >= 2", "{:.2f}", [later["trl"], later["ours"]]),
+        ("prefill / appended token, turns >= 2", "{:.2f}", [per_new["trl"], per_new["ours"]]),
+    ], label_width=34, widths=14)
     print(f"{'turns per trajectory':34s}{str(rounds[0]['trl']['turns']):>14s}  {rounds[0]['ours']['turns']}")
     print(f"\nspeed-up ours / TRL (trajectories/s), per round: {', '.join(f'{x:.2f}' for x in ratios)}; "
           f"median {statistics.median(ratios):.2f}x")

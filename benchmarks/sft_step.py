@@ -93,8 +93,8 @@ def main(argv=None) -> dict:
         rounds.append(res)
     med = {s: statistics.median(rd[s]["s_per_trajectory"] for rd in rounds) for s in ("trl", "ours")}
     loss_diff = max(abs(a - b) for a, b in zip(rounds[0]["trl"]["losses"], rounds[0]["ours"]["losses"]))
-    print(f"\n{'':28s}{'TRL 1.16':>10s}{'ours':>10s}")
-    print(f"{'s / trajectory (median)':28s}{med['trl']:>10.2f}{med['ours']:>10.2f}")
+    W.print_table(["TRL 1.16", "ours"], [("s / trajectory (median)", "{:.2f}", [med["trl"], med["ours"]])],
+                  label_width=28, widths=10)
     print(f"speed-up TRL / ours: {med['trl'] / med['ours']:.2f}x; largest logged-loss difference {loss_diff:.2e}")
     result = {"benchmark": "sft_step", "settings": vars(args), "lengths": lengths, "supervised_fraction": supervised,
               "median_s_per_trajectory": med, "speedup": med["trl"] / med["ours"], "max_loss_diff": loss_diff,

@@ -250,8 +250,7 @@ def main(argv=None) -> dict:
     keys = list(rounds[0]["trl"])
     med = {s: {k: (statistics.median(rd[s][k] for rd in rounds) if rounds[0][s][k] is not None else None) for k in keys}
            for s in sides}
-    print(f"\n{'':30s}{'TRL 1.16':>12s}{'ours':>12s}")
-    for label, key, fmt in [
+    table = [
         ("training_step time / step (s)", "step_s", "{:.2f}"),
         ("train() wall (s)", "train_wall_s", "{:.2f}"),
         ("tokens processed", "tokens_processed", "{:.0f}"),
@@ -260,9 +259,9 @@ def main(argv=None) -> dict:
         ("forward calls", "forward_calls", "{:.0f}"),
         ("packing check tokens (once)", "one_time_check_tokens", "{:.0f}"),
         ("peak memory (GiB)", "peak_memory_gib", "{:.2f}"),
-    ]:
-        a, b = med["trl"][key], med["ours"][key]
-        print(f"{label:30s}{(fmt.format(a) if a is not None else 'n/a'):>12s}{(fmt.format(b) if b is not None else 'n/a'):>12s}")
+    ]
+    rows_out = [(label, fmt, [med["trl"][key], med["ours"][key]]) for label, key, fmt in table]
+    W.print_table(["TRL 1.16", "ours"], rows_out, label_width=30, widths=12)
     speed = med["trl"]["step_s"] / med["ours"]["step_s"]
     print(f"\nstep-time ratio TRL / ours: {speed:.2f}x")
     result = {"benchmark": "train_step", "settings": vars(args), "median": med, "step_speedup": speed,

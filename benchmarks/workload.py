@@ -13,6 +13,9 @@ template, which speaks SmolLM2's ChatML tokens).
 
 The scripts are a function of the trajectory's prompt only: which trajectory a row is, the turn (the number of
 ``<|im_start|>assistant`` markers so far) and the position in the turn are read from the row's ids.
+
+What every benchmark reports goes through here too: ``print_table`` (the side-by-side table on the console) and
+``write_result`` (the JSON under benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -50,6 +53,17 @@ def write_result(result: dict, out: str) -> Path:
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def print_table(columns: list[str], rows: list[tuple], label_width: int, widths: int | list[int]) -> None:
+    """Print a side-by-side table after a blank line: the column titles, then one line per ``(label, fmt, values)``
+    row, the label left-aligned in ``label_width`` characters and each value formatted with ``fmt`` (``"{:.2f}"``;
+    None prints as n/a) and right-aligned in its column's width (``widths``: one for all columns, or one each)."""
+    widths = [widths] * len(columns) if isinstance(widths, int) else widths
+    print(f"\n{'':{label_width}s}" + "".join(f"{c:>{w}s}" for c, w in zip(columns, widths)))
+    for label, fmt, values in rows:
+        cells = (fmt.format(v) if v is not None else "n/a" for v in values)
+        print(f"{label:{label_width}s}" + "".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
 
 
 def offline_env() -> None:

@@ -39,7 +39,7 @@ from trl_multiturn.threads import configure_cpu_threads
 class SearchAgentArguments:
     """> Parameters of the search task, the warm start and the evaluation."""
 
-    dataset: str = field(default="offline", metadata={"help": "'offline' (generated KB) or FlashRAG-format QA data: Hub name[:config] or local JSONL/Parquet, comma-separated."})
+    dataset: str = field(default="offline", metadata={"help": "'offline' (the generated KB of people, cities, companies, countries), 'offline-music' (a second generated KB for transfer: musicians, bands, labels, towns, regions, other question wording) or FlashRAG-format QA data: Hub name[:config] or local JSONL/Parquet, comma-separated."})
     eval_split: str = field(default="test", metadata={"help": "Split of the held-out QA data (FlashRAG's nq: 'test', hotpotqa: 'dev')."})
     eval_dataset: str | None = field(default=None, metadata={"help": "Held-out QA data (default: the offline test split, or --dataset's 'test' split)."})
     corpus: str | None = field(default=None, metadata={"help": "Corpus in Search-R1's JSONL format or a datasets dataset (required unless --dataset offline)."})
@@ -107,8 +107,11 @@ def load_data(args: SearchAgentArguments):
     """Corpus, training rows and held-out rows (each a list of dicts with question / golden_answers / hops)."""
     from trl_multiturn.search import build_offline_dataset, load_corpus, load_qa_dataset
 
-    if args.dataset == "offline":
-        data = build_offline_dataset(num_entities=args.offline_entities, seed=args.kb_seed)
+    if args.dataset in ("offline", "offline-music"):
+        from trl_multiturn.search.music import build_music_dataset
+
+        build = build_offline_dataset if args.dataset == "offline" else build_music_dataset
+        data = build(num_entities=args.offline_entities, seed=args.kb_seed)
         corpus, train, test = data.corpus, data.train_rows, data.test_rows
     else:
         if args.corpus is None:

@@ -92,6 +92,15 @@ def tiny_model_factory(smollm2_tokenizer):
     return make
 
 
+@pytest.fixture
+def tiny_model_dir(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    """A directory holding a tiny random model and SmolLM2's tokenizer, for scripts that take --model_name_or_path."""
+    path = tmp_path / "tiny"
+    tiny_model_factory(hidden_size=32, num_layers=2).save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_model():
     """The real SmolLM2-135M-Instruct in float32, eval mode. Shared by the session: do not train it in place;

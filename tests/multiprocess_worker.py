@@ -108,22 +108,6 @@ def make_fake_vllm_generation(events: list):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class OneShotEnv:
-    """Searches ``example["searches"]`` times, then any action ends the episode with reward 1."""
-
-    def reset(self, example):
-        self.left = example["searches"]
-        return "Question"
-
-    def step(self, action):
-        from trl_multiturn.environment import Step
-
-        if action.kind == "tool" and self.left > 0:
-            self.left -= 1
-            return Step(observation="doc")
-        return Step(reward=1.0, done=True)
-
-
 def run_vllm_pattern(spec: dict, state) -> dict:
     """Every rank rolls out its own examples through one server-mode ``VLLMGenerator`` per case."""
     from transformers import AutoTokenizer
@@ -131,6 +115,8 @@ def run_vllm_pattern(spec: dict, state) -> dict:
     from trl_multiturn.generation import Collectives, SamplingParams, VLLMGenerator
     from trl_multiturn.protocols import TagProtocol
     from trl_multiturn.rollout import MultiTurnRollout, RolloutConfig
+
+    from scripted import OneShotEnv  # tests/ is sys.path[0]: torchrun runs this file as a script
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
     out = {}

@@ -1,4 +1,5 @@
-"""Scripted policies for tests: a language model that writes a fixed script, and a generator that replays texts.
+"""Scripted policies for tests: a language model that writes a fixed script, a generator that replays texts, and a
+one-shot environment.
 
 ``ScriptedLM`` is a real ``torch.nn.Module`` with the causal-LM call signature used by the generation loop. It
 puts all probability mass on the next token of a per-row script, chosen from the text it has generated since the
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import TrainerCallback
 
+from trl_multiturn.environment import Step
 from trl_multiturn.generation import GenerationOutput
 
 
@@ -85,6 +87,21 @@ class ReplayGenerator:
             reason = self.finish_reason if len(cut) == len(ids) else "length"
             outs.append(GenerationOutput(ids=list(cut), logprobs=[-0.5] * len(cut), finish_reason=reason))
         return outs
+
+
+class OneShotEnv:
+    """Searches ``example["searches"]`` times (each tool call gets the observation "doc"), then any action ends the
+    episode with reward 1: trajectories that end after different numbers of turns."""
+
+    def reset(self, example):
+        self.left = example["searches"]
+        return "Question"
+
+    def step(self, action):
+        if action.kind == "tool" and self.left > 0:
+            self.left -= 1
+            return Step(observation="doc")
+        return Step(reward=1.0, done=True)
 
 
 def logged(trainer, key):

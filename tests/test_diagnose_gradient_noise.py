@@ -75,14 +75,6 @@ def test_noise_model_by_hand():
 
 
 @pytest.fixture
-def tiny_model_dir(tmp_path, smollm2_tokenizer, tiny_model_factory):
-    path = tmp_path / "tiny"
-    tiny_model_factory(hidden_size=32, num_layers=2).save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture
 def tiny_adapter_dir(tmp_path, tiny_model_factory):
     """A LoRA adapter on the tiny model with random A and B (so both carry gradient)."""
     from peft import LoraConfig, get_peft_model

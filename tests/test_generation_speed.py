@@ -36,7 +36,7 @@ from trl_multiturn.generation import (
 from trl_multiturn.protocols import TagProtocol
 from trl_multiturn.rollout import MultiTurnRollout, RolloutConfig
 
-from scripted import ScriptedLM
+from scripted import OneShotEnv, ScriptedLM
 
 
 @pytest.fixture(autouse=True)
@@ -461,20 +461,6 @@ class ThreadCollectives(Collectives):
 
     def broadcast(self, obj):
         return self._exchange(obj)[0]
-
-
-class OneShotEnv:
-    """Answers once; trajectory i searches ``i`` times before answering."""
-
-    def reset(self, example):
-        self.left = example["searches"]
-        return "Question"
-
-    def step(self, action):
-        if action.kind == "tool" and self.left > 0:
-            self.left -= 1
-            return Step(observation="doc")
-        return Step(reward=1.0, done=True)
 
 
 def test_vllm_collective_call_rule_in_the_rollout(smollm2_tokenizer):

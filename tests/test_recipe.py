@@ -66,14 +66,6 @@ def test_accelerate_configs_parse(name):
     assert raw["distributed_type"] == expected == cfg.distributed_type.value
 
 
-@pytest.fixture
-def tiny_model_dir(tmp_path, smollm2_tokenizer, tiny_model_factory):
-    path = tmp_path / "tiny"
-    tiny_model_factory(hidden_size=32, num_layers=2).save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path
-
-
 SMALL = [
     "--offline_entities", "20", "--num_train_questions", "8", "--num_eval_questions", "4", "--sft_num_examples", "8",
     "--eval_batch_size", "4", "--eval_max_tokens_per_turn", "16", "--max_steps", "1", "--prompts_per_rollout", "2",

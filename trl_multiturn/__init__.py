@@ -36,10 +36,23 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'trl_multiturn' has no attribute {name!r}")
+def _lazy_getattr(package: str, table: dict[str, str]):
+    """The module ``__getattr__`` (PEP 562) of a package whose public names are imported on first access.
+
+    ``table`` maps each name to the module that defines it: a dotted module path, or the bare name of a submodule of
+    ``package``. Used here and by ``trl_multiturn.search``.
+    """
+
+    def __getattr__(name: str):
+        if name in table:
+            module = table[name] if "." in table[name] else f"{package}.{table[name]}"
+            return getattr(import_module(module), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+__getattr__ = _lazy_getattr(__name__, _LAZY)
 
 
 if TYPE_CHECKING:  # pragma: no cover

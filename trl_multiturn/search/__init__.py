@@ -10,11 +10,12 @@ scripted expert. Usable without the trainer: nothing here imports TRL or the rol
 Names are imported lazily so that importing one module does not pull in ``datasets`` or ``bm25s``.
 """
 
-from importlib import import_module
 from typing import TYPE_CHECKING
 
+from .. import _lazy_getattr
+
 _LAZY = {
-    "Document": "retrievers",
+    "Document": "document",
     "Retriever": "retrievers",
     "RetrievalError": "retrievers",
     "BM25Retriever": "retrievers",
@@ -24,7 +25,7 @@ _LAZY = {
     "ServerLimits": "server",
     "start_server": "server",
     "load_corpus": "corpus",
-    "parse_contents": "corpus",
+    "parse_contents": "document",
     "write_corpus_jsonl": "corpus",
     "load_qa_dataset": "data",
     "build_offline_dataset": "data",
@@ -54,18 +55,16 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _lazy_getattr(__name__, _LAZY)
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .corpus import load_corpus, parse_contents, write_corpus_jsonl
+    from .corpus import load_corpus, write_corpus_jsonl
     from .data import QUESTION_TYPES, OfflineDataset, build_offline_dataset, load_qa_dataset, write_offline_dataset
+    from .document import Document, parse_contents
     from .environment import SEARCH_R1_ORIGINAL_TEMPLATE, SEARCH_R1_TEMPLATE, SearchEnvironment, render_documents
     from .expert import ExpertPolicy, ExpertTrajectory, build_expert_trajectories
-    from .retrievers import BM25Retriever, DenseRetriever, Document, HTTPRetriever, RetrievalError, Retriever
+    from .retrievers import BM25Retriever, DenseRetriever, HTTPRetriever, RetrievalError, Retriever
     from .rewards import (
         check_format,
         exact_match,

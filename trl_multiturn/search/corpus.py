@@ -5,7 +5,8 @@ Sources: a JSONL file (Search-R1's ``wiki-18.jsonl`` layout), a local ``datasets
 ``title`` and ``text`` columns (DPR / FlashRAG layout) instead of ``contents`` are accepted too.
 
 Departure from Search-R1: its code keeps the quotes around the title (the first line of ``contents``) and re-splits
-``contents`` at every use; here the title is parsed once, without the quotes, into :class:`Document`.
+``contents`` at every use; here the title is parsed once, without the quotes, into :class:`Document` (by
+``parse_contents`` of ``trl_multiturn.search.document``).
 """
 
 from __future__ import annotations
@@ -16,22 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .retrievers import Document
-
-
-def parse_contents(contents: str) -> tuple[str, str]:
-    """Split Search-R1's ``contents`` into ``(title, text)``.
-
-    The first line is the title, usually wrapped in double quotes (removed here); the rest is the text. A string
-    without a newline is all text with an empty title.
-    """
-    if "\n" not in contents:
-        return "", contents.strip()
-    title, text = contents.split("\n", 1)
-    title = title.strip()
-    if len(title) >= 2 and title[0] == '"' and title[-1] == '"':
-        title = title[1:-1]
-    return title, text.strip()
+from .document import Document, parse_contents  # re-exported: parse_contents lived here
 
 
 def document_from_row(row: Mapping[str, Any], index: int = 0) -> Document:

@@ -18,10 +18,11 @@ document ids of each hop and the bridge entity), which the expert policy (``trl_
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,15 @@ def _a(noun: str) -> str:
     return ("an " if noun[0] in "aeiou" else "a ") + noun
 
 
+def _add_doc(docs: list[Document], prefix: str, entity: _Entity, suffix: str, title: str, text: str,
+             relations: tuple[str, ...]) -> None:
+    """Append a document about ``entity`` stating ``relations`` (its id is provisional: the dataset renumbers)."""
+    doc_id = f"{prefix}-{len(docs)}-{suffix}"
+    docs.append(Document(id=doc_id, title=title, text=text))
+    for r in relations:
+        entity.doc_ids[r] = doc_id
+
+
 def _build_world(
     rng: random.Random, names: _NameMaker, prefix: str, num_people: int
 ) -> tuple[list[_Entity], dict[str, list[_Entity]], list[Document]]:
@@ -349,12 +359,7 @@ def _build_world(
         by_family.setdefault(p.name.split()[1], []).append(p)
 
     docs: list[Document] = []
-
-    def add_doc(entity: _Entity, suffix: str, title: str, text: str, relations: tuple[str, ...]) -> None:
-        doc_id = f"{prefix}-{len(docs)}-{suffix}"  # provisional; build_offline_dataset renumbers
-        docs.append(Document(id=doc_id, title=title, text=text))
-        for r in relations:
-            entity.doc_ids[r] = doc_id
+    add_doc = functools.partial(_add_doc, docs, prefix)
 
     for p in people:
         f, family = p.facts, p.name.split()[1]
@@ -420,12 +425,18 @@ def _build_world(
 
 
 def _questions(
-    rng: random.Random, kinds: dict[str, list[_Entity]], split: str, question_types: Iterable[str]
+    rng: random.Random,
+    kinds: dict[str, list[_Entity]],
+    split: str,
+    question_types: Iterable[str],
+    types: dict[str, QuestionType] | None = None,
+    relations: dict[str, Relation] | None = None,
 ) -> list[dict[str, Any]]:
+    types, relations = types or QUESTION_TYPES, relations or RELATIONS
     rows: list[dict[str, Any]] = []
     for qt_name in question_types:
-        qt = QUESTION_TYPES[qt_name]
-        first = RELATIONS[qt.chain[0]]
+        qt = types[qt_name]
+        first = relations[qt.chain[0]]
         for subject in kinds[first.subject_kind]:
             entity, doc_ids, bridge = subject, [], None
             for hop, rel_name in enumerate(qt.chain):
@@ -506,14 +517,31 @@ def build_offline_dataset(
         question_types: names from ``QUESTION_TYPES`` (default: all; 1-hop: birth_city, employer, city_country,
             company_hq, capital; 2-hop: birth_country, employer_hq, company_country).
     """
+    return build_generated_dataset(_build_world, QUESTION_TYPES, RELATIONS, num_entities, seed,
+                                   test_fraction=test_fraction, question_types=question_types)
+
+
+def build_generated_dataset(
+    build_world: Callable[[random.Random, _NameMaker, str, int], tuple[Any, dict[str, list[_Entity]], list[Document]]],
+    types: dict[str, QuestionType],
+    relations: dict[str, Relation],
+    num_entities: int,
+    seed: int,
+    *,
+    test_fraction: float = 0.2,
+    question_types: Iterable[str] | None = None,
+) -> OfflineDataset:
+    """Two disjoint worlds (train and test) from ``build_world``, their questions of ``types`` (default: all), and
+    one shuffled corpus with renumbered document ids. :func:`build_offline_dataset` is this with the people world;
+    ``trl_multiturn.search.music`` builds another knowledge base with it."""
     if num_entities < 10:
         raise ValueError(f"num_entities must be at least 10 (5 per split at the smallest), got {num_entities}.")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}.")
-    qtypes = list(question_types) if question_types is not None else list(QUESTION_TYPES)
-    unknown = [q for q in qtypes if q not in QUESTION_TYPES]
+    qtypes = list(question_types) if question_types is not None else list(types)
+    unknown = [q for q in qtypes if q not in types]
     if unknown:
-        raise ValueError(f"unknown question_types {unknown}; choose from {sorted(QUESTION_TYPES)}.")
+        raise ValueError(f"unknown question_types {unknown}; choose from {sorted(types)}.")
     n_test = max(5, round(num_entities * test_fraction))
     n_train = num_entities - n_test
     if n_train < 5:
@@ -525,9 +553,9 @@ def build_offline_dataset(
     rows: dict[str, list[dict[str, Any]]] = {}
     entity_names: dict[str, set[str]] = {}
     for split, n in (("train", n_train), ("test", n_test)):
-        _, kinds, docs = _build_world(rng, names, split, n)
+        _, kinds, docs = build_world(rng, names, split, n)
         corpus.extend(docs)
-        rows[split] = _questions(rng, kinds, split, qtypes)
+        rows[split] = _questions(rng, kinds, split, qtypes, types, relations)
         entity_names[split] = {e.name for group in kinds.values() for e in group}
     # Interleave the worlds and renumber the documents, so neither position nor id tells a document's split.
     order = list(range(len(corpus)))

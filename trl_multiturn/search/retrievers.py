@@ -30,29 +30,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from .document import Document, parse_contents  # Document is re-exported: it lived here
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Document:
-    """One retrieved (or corpus) document.
-
-    Attributes:
-        id: the corpus id (a string; numeric ids are converted).
-        title: the title, without Search-R1's surrounding quotes.
-        text: the body text.
-        score: the retrieval score (higher is better); 0.0 for corpus entries.
-    """
-
-    id: str
-    title: str
-    text: str
-    score: float = 0.0
-
-    @property
-    def contents(self) -> str:
-        """The document in Search-R1's corpus format: ``"Title"`` on the first line, the text after it."""
-        return f'"{self.title}"\n{self.text}'
 
 
 class RetrievalError(RuntimeError):
@@ -83,10 +63,43 @@ def _check_queries(queries: Sequence[str]) -> list[str]:
     return queries
 
 
+class _InProcessRetriever:
+    """What the retrievers that search an index of ``self.corpus`` held in this process share: the checks of
+    ``retrieve``'s arguments (``k`` is capped at the corpus size), the lock around the search, and the copying of
+    the hits into documents with their scores. A subclass sets ``corpus`` and ``_lock`` and implements ``_search``."""
+
+    corpus: list[Document]
+    _lock: threading.Lock
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def retrieve(self, queries: list[str], k: int) -> list[list[Document]]:
+        queries = _check_queries(queries)
+        k = min(_check_k(k), len(self.corpus))
+        if not queries:
+            return []
+        with self._lock:
+            indices, scores = self._search(queries, k)
+        return [
+            [
+                Document(id=self.corpus[i].id, title=self.corpus[i].title, text=self.corpus[i].text, score=float(s))
+                for i, s in zip(row_idx, row_scores)
+                if i >= 0  # FAISS pads a row that found fewer than k documents with -1
+            ]
+            for row_idx, row_scores in zip(indices, scores)
+        ]
+
+    def _search(self, queries: list[str], k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """``(indices, scores)``: for each query the corpus positions of its top ``k`` documents and their scores,
+        best first. Called under ``self._lock``."""
+        raise NotImplementedError
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # BM25
 # ---------------------------------------------------------------------------------------------------------------
-class BM25Retriever:
+class BM25Retriever(_InProcessRetriever):
     """BM25 over ``title + text`` of each document, built in process with ``bm25s``.
 
     Args:
@@ -133,31 +146,17 @@ class BM25Retriever:
             self.index_bytes / 2**20,
         )
 
-    def __len__(self) -> int:
-        return len(self.corpus)
-
-    def retrieve(self, queries: list[str], k: int) -> list[list[Document]]:
-        queries = _check_queries(queries)
-        k = min(_check_k(k), len(self.corpus))
-        if not queries:
-            return []
-        with self._lock:  # the tokenizer's vocabulary lookups and bm25s' buffers are not documented thread-safe
-            query_ids = self._tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
-            indices, scores = self._bm25.retrieve(query_ids, k=k, show_progress=False)
-        results = []
-        for row_idx, row_scores in zip(indices, scores):
-            docs = []
-            for i, s in zip(row_idx.tolist(), row_scores.tolist()):
-                d = self.corpus[i]
-                docs.append(Document(id=d.id, title=d.title, text=d.text, score=float(s)))
-            results.append(docs)
-        return results
+    def _search(self, queries: list[str], k: int) -> tuple[list[list[int]], list[list[float]]]:
+        # under the lock: the tokenizer's vocabulary lookups and bm25s' buffers are not documented thread-safe
+        query_ids = self._tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
+        indices, scores = self._bm25.retrieve(query_ids, k=k, show_progress=False)
+        return indices.tolist(), scores.tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Dense (optional)
 # ---------------------------------------------------------------------------------------------------------------
-class DenseRetriever:
+class DenseRetriever(_InProcessRetriever):
     """Exact inner-product search (FAISS ``IndexFlatIP``) over normalized sentence-transformers embeddings.
 
     Args:
@@ -228,27 +227,9 @@ class DenseRetriever:
         )
         return np.ascontiguousarray(emb, dtype="float32")
 
-    def __len__(self) -> int:
-        return len(self.corpus)
-
-    def retrieve(self, queries: list[str], k: int) -> list[list[Document]]:
-        queries = _check_queries(queries)
-        k = min(_check_k(k), len(self.corpus))
-        if not queries:
-            return []
-        with self._lock:
-            q = self._encode([f"{self.query_prefix}{x}" for x in queries])
-            scores, indices = self.index.search(q, k)
-        results = []
-        for row_idx, row_scores in zip(indices.tolist(), scores.tolist()):
-            docs = []
-            for i, s in zip(row_idx, row_scores):
-                if i < 0:
-                    continue
-                d = self.corpus[i]
-                docs.append(Document(id=d.id, title=d.title, text=d.text, score=float(s)))
-            results.append(docs)
-        return results
+    def _search(self, queries: list[str], k: int) -> tuple[list[list[int]], list[list[float]]]:
+        scores, indices = self.index.search(self._encode([f"{self.query_prefix}{x}" for x in queries]), k)
+        return indices.tolist(), scores.tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,8 +252,6 @@ def document_from_api(item: Any) -> Document:
     Accepts ``{"document": {"id", "contents"}, "score"}`` (``return_scores=true``) and a bare document dict;
     documents with ``title``/``text`` fields instead of ``contents`` are accepted too.
     """
-    from .corpus import parse_contents  # corpus imports Document from here: a module-level import would be circular
-
     if not isinstance(item, dict):
         raise ValueError(f"expected a JSON object per result, got {type(item).__name__}: {str(item)[:80]!r}")
     score = 0.0
