@@ -331,6 +331,9 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
     peft_config = get_peft_config(model_args)
     protocol = TagProtocol(max_observation_tokens=training_args.max_observation_tokens)
 
+    if not (script_args.grpo or script_args.init_adapter or warm_start_enabled(script_args, model)):
+        raise ValueError("--grpo false with --warm_start off trains nothing. To evaluate the base model run "
+                         "recipes/evaluate_search_agent.py; to train, drop --grpo false or set --warm_start on.")
     if script_args.eval_before and not script_args.init_adapter:
         start = time.perf_counter()
         evaluate("base", model, tokenizer, test_rows, env_factory, script_args, training_args, results, protocol)
@@ -422,7 +425,11 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
 
 
 def save_and_publish(model, tokenizer, base_path, out_dir, results, plot, script_args, training_args, push):
-    from trl_multiturn.hub import ModelCardInfo, hub_base_model_id, merge_and_save, push_to_hub, save_adapter
+    from peft import PeftModel
+
+    from trl_multiturn.hub import (
+        ModelCardInfo, hub_base_model_id, merge_and_save, push_to_hub, save_adapter, save_full_model,
+    )
 
     evaluation = {stage: {"exact match": r["summary"]["all"]["exact_match"],
                           "EM 1-hop": r["summary"].get("hops_1", {}).get("exact_match", float("nan")),
@@ -441,9 +448,13 @@ def save_and_publish(model, tokenizer, base_path, out_dir, results, plot, script
         plot=plot,
         repo_id=training_args.hub_model_id if push else None,
     )
-    adapter_dir = save_adapter(model, tokenizer, out_dir / "adapter", card=card)
-    print(f"adapter and model card saved to {adapter_dir}", flush=True)
-    if script_args.merge_adapter:
+    if not isinstance(model, PeftModel):  # --use_peft false: the whole model was trained
+        adapter_dir = save_full_model(model, tokenizer, out_dir / "model", card=card)
+        print(f"model and model card saved to {adapter_dir}", flush=True)
+    else:
+        adapter_dir = save_adapter(model, tokenizer, out_dir / "adapter", card=card)
+        print(f"adapter and model card saved to {adapter_dir}", flush=True)
+    if script_args.merge_adapter and isinstance(model, PeftModel):
         merge_and_save(model, tokenizer, out_dir / "merged")
     if push:
         url = push_to_hub(adapter_dir, training_args.hub_model_id, private=bool(training_args.hub_private_repo),

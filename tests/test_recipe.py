@@ -111,6 +111,23 @@ def test_recipe_rejects_bad_arguments(tmp_path, tiny_model_dir):
                           "http", *SMALL])
     with pytest.raises(ValueError, match="--retriever_url"):
         recipe.main(*args)
+    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path), "--grpo", "false",
+                          "--warm_start", "off", *SMALL])
+    with pytest.raises(ValueError, match="trains nothing"):
+        recipe.main(*args)
+
+
+def test_recipe_full_fine_tune_saves_the_model(tmp_path, tiny_model_dir):
+    """--use_peft false trains the whole model: it is saved (output_dir/model, with its card), never lost."""
+    from transformers import AutoModelForCausalLM
+
+    recipe = load_recipe()
+    out = tmp_path / "run"
+    recipe.main(*parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--use_peft",
+                                "false", "--warm_start", "off", "--eval_before", "false", *SMALL]))
+    saved = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert saved.config.num_hidden_layers == 2 and "grpo" in (out / "model" / "README.md").read_text()
+    assert not (out / "adapter").exists()
 
 
 @pytest.mark.slow

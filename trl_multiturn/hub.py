@@ -132,10 +132,20 @@ def merge_and_save(
             "The adapter sits on a quantized (4/8-bit) base, which cannot hold merged weights. Reload the base model "
             "in bfloat16 or float32, attach the adapter with PeftModel.from_pretrained(base, adapter_dir), then merge."
         )
+    return save_full_model(model.merge_and_unload(), tokenizer, output_dir, card=card)
+
+
+def save_full_model(model, tokenizer, output_dir: str | os.PathLike, *, card: ModelCardInfo | Mapping | None = None
+                    ) -> Path:
+    """Save a plain transformers model (safetensors) with its tokenizer, and with `card` a README.md model card:
+    what a full fine-tune (no adapter) or :func:`merge_and_save` leaves behind."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        raise TypeError("save_full_model got a peft.PeftModel: use save_adapter, or merge_and_save for merged weights.")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    merged = model.merge_and_unload()
-    merged.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if card is not None:
         info = ModelCardInfo.from_value(card)
