@@ -173,7 +173,7 @@ def _recording_trainer(base, record: dict):
     """A subclass of the trainer that records what it computes (see the module docstring) and adds one reward."""
     import trl_multiturn.trainer as trainer_module
 
-    original_shuffle = trainer_module._shuffle_groups
+    original_shuffle = trainer_module.shuffle_groups
 
     def recording_shuffle(batch, group_size):
         n = batch["prompt_ids"].size(0)
@@ -181,7 +181,7 @@ def _recording_trainer(base, record: dict):
         record["shuffles"].append({"n": n, "group_size": group_size, "perm": out.pop("_row").tolist()})
         return out
 
-    trainer_module._shuffle_groups = recording_shuffle
+    trainer_module.shuffle_groups = recording_shuffle
 
     class RecordingTrainer(base):
         def __init__(self, *args, reward_funcs=None, **kwargs):
@@ -220,7 +220,7 @@ def _recording_trainer(base, record: dict):
                 for c in chunks
             ])
 
-    return RecordingTrainer, (lambda: setattr(trainer_module, "_shuffle_groups", original_shuffle))
+    return RecordingTrainer, (lambda: setattr(trainer_module, "shuffle_groups", original_shuffle))
 
 
 def run_recipe(name: str, run: dict, spec: dict, state, audit: _WriteAudit, out_dir: Path) -> dict:

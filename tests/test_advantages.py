@@ -108,3 +108,27 @@ def test_bad_inputs_raise_clear_errors():
         group_advantages([], 2)
     with pytest.raises(ValueError, match="eps=-1"):
         group_advantages([1.0, 0.0], 2, eps=-1)
+
+
+def test_rollout_advantages_weights_rewards_and_drops_failed_rows():
+    from trl_multiturn.advantages import rollout_advantages
+
+    # columns: one reward function, then the environment's reward (NaN = its environment failed)
+    table = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, float("nan")], [0.0, 1.0], [2.0, 0.0], [0.0, float("inf")]])
+    weights = torch.tensor([0.5, 1.0])
+    failed = torch.tensor([False, False, False, False, True, False])
+    out = rollout_advantages(table, weights, failed, 2, eps=EPS)
+    # r = 0.5 f + env: 0.5, 0, -, 1, - (failed), - (infinite)
+    assert out.dropped.tolist() == [False, False, True, False, True, True]
+    assert out.rewards[:2].tolist() == [0.5, 0.0] and out.rewards[3] == 1.0
+    assert torch.isnan(out.rewards[out.dropped]).all()
+    # group 0: (0.5, 0) -> +-0.25 / (std 0.3536 + eps); groups 1 and 2 keep fewer than 2 members: 0
+    a = 0.25 / (math.sqrt(0.125) + EPS)
+    assert out.advantages.tolist() == pytest.approx([a, -a, 0.0, 0.0, 0.0, 0.0], rel=1e-6)
+    # a turn mode: the outcome is the reward functions alone; the same rows are dropped
+    turn_ids, mask = torch.zeros(6, 3, dtype=torch.long), torch.ones(6, 3, dtype=torch.long)
+    per_token = rollout_advantages(table, weights, failed, 2, mode="mt-grpo", eps=EPS, turn_rewards=[[0.0]] * 6,
+                                   turn_ids=turn_ids, action_mask=mask)
+    b = 0.25 / (math.sqrt(0.125) + EPS)  # outcome (0.5, 0) in group 0
+    assert per_token.advantages.shape == (6, 3)
+    assert per_token.advantages[:, 0].tolist() == pytest.approx([b, -b, 0.0, 0.0, 0.0, 0.0], rel=1e-6)

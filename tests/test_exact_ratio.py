@@ -14,7 +14,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-import trl_multiturn.trainer as trainer_module
+import trl_multiturn.loss as loss_module  # grpo_loss looks policy_loss up here
 from scripted import logged
 from test_trainer import make_args, vowel_reward
 from trl_multiturn import MultiTurnGRPOTrainer
@@ -56,7 +56,7 @@ LAYOUTS = {
 def spy_policy_loss(monkeypatch, trainer):
     """Records, for every micro-batch of the first optimizer step, max |log pi - log pi_old| over its loss tokens."""
     gaps = []
-    real = trainer_module.policy_loss
+    real = loss_module.policy_loss
 
     def recording(logps, old, advantages, mask, **kw):
         if trainer.state.global_step == 0:
@@ -64,7 +64,7 @@ def spy_policy_loss(monkeypatch, trainer):
             gaps.append(float((logps.detach() - old)[live].abs().max()) if live.any() else 0.0)
         return real(logps, old, advantages, mask, **kw)
 
-    monkeypatch.setattr(trainer_module, "policy_loss", recording)
+    monkeypatch.setattr(loss_module, "policy_loss", recording)
     return gaps
 
 
@@ -100,14 +100,14 @@ def test_evaluation_scores_pi_old_with_its_own_forward(tmp_path, smollm2_tokeniz
         environment_factory=UnevenEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
     )
     gaps = []
-    real = trainer_module.policy_loss
+    real = loss_module.policy_loss
 
     def recording(logps, old, advantages, mask, **kw):
         live = mask.bool()
         gaps.append(float((logps.detach() - old)[live].abs().max()) if live.any() else 0.0)
         return real(logps, old, advantages, mask, **kw)
 
-    monkeypatch.setattr(trainer_module, "policy_loss", recording)
+    monkeypatch.setattr(loss_module, "policy_loss", recording)
     metrics = trainer.evaluate()
     assert gaps and max(gaps) == 0.0
     assert math.isfinite(metrics["eval_loss"])

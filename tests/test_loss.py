@@ -357,3 +357,21 @@ def test_kl_penalty_hand_computed():
         kl_penalty(lp, ref, "full")
     with pytest.raises(ValueError, match="same shape"):
         kl_penalty(lp, ref[:, :2])
+
+
+def test_grpo_loss_adds_the_weighted_kl_and_scales_advantages_by_the_sampling_weight():
+    from trl_multiturn.loss import grpo_loss
+
+    logp = torch.zeros(1, 2)  # rho = 1 everywhere
+    ref = torch.full((1, 2), math.log(2.0))  # d = logp - ref = -log 2
+    mask = torch.ones(1, 2)
+    w = torch.tensor([[0.5, 1.0]])  # TRL's vLLM importance-sampling weight
+    loss, stats = grpo_loss(logp, logp, torch.tensor([2.0]), mask, ref_logprobs=ref, importance_sampling_ratio=w,
+                            beta=0.1, use_bias_correction_kl=True)
+    # policy: -A w rho = (-1, -2), token-mean of the row -> -1.5; k3 = exp(log 2) - log 2 - 1 per token
+    k3 = 2.0 - math.log(2.0) - 1.0
+    assert float(stats["pg_loss"]) == pytest.approx(-1.5, abs=1e-6)
+    assert float(stats["kl"]) == pytest.approx(k3, abs=1e-6)
+    assert float(loss) == pytest.approx(-1.5 + 0.1 * k3, abs=1e-6)
+    no_kl, stats = grpo_loss(logp, logp, torch.tensor([2.0]), mask)
+    assert float(no_kl) == pytest.approx(-2.0, abs=1e-6) and "kl" not in stats

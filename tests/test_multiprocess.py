@@ -362,7 +362,7 @@ def test_sharded_generation_check():
     ds3_gather_for_generation is on; FSDP cannot; the vLLM engine holds its own weights."""
     from types import SimpleNamespace
 
-    from trl_multiturn.trainer import _check_sharded_generation
+    from trl_multiturn.checks import check_sharded_generation as _check_sharded_generation
 
     def backend(fsdp=None, zero=0):
         return SimpleNamespace(is_fsdp=fsdp is not None, fsdp_version=fsdp, is_zero3=zero == 3)

@@ -299,7 +299,7 @@ def test_bad_config_names_the_field(tmp_path):
 
 
 def test_token_budget_parts():
-    from trl_multiturn.trainer import _token_budget_parts
+    from trl_multiturn.batching import _token_budget_parts
 
     # sorted 50, 40, 30, 20, 10 under 90: [50] (2 x 50 > 90), [40, 30] (2 x 40), [20, 10] (2 x 20)
     assert _token_budget_parts([50, 40, 30, 20, 10], 90, 5) == [[0], [1, 2], [3, 4]]
@@ -420,7 +420,7 @@ def test_compact_padding_gives_trl_log_probs_with_fewer_tokens(tmp_path, smollm2
     TRL's path exactly."""
     from trl import GRPOTrainer
 
-    from trl_multiturn.trainer import _compact_rows
+    from trl_multiturn.layouts import compact_rows
 
     trainer = MultiTurnGRPOTrainer(
         model=tiny_model_factory(), args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
@@ -436,7 +436,7 @@ def test_compact_padding_gives_trl_log_probs_with_fewer_tokens(tmp_path, smollm2
     assert ours.shape == theirs.shape == (len(lengths), c_w)
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
     assert (ours[~real] == 0).all() and ours[real].abs().min() > 0
-    compact_ids, compact_mask, index, valid, is_completion = _compact_rows(ids, mask, c_w)
+    compact_ids, compact_mask, index, valid, is_completion = compact_rows(ids, mask, c_w)
     assert compact_ids.size(1) == max(p + c for p, c in lengths) < ids.size(1)
     assert compact_mask.sum() == mask.sum() and (compact_ids.gather(1, index)[valid] == ids[:, -c_w:][valid]).all()
     assert is_completion.sum(1).tolist() == [c for _, c in lengths]
@@ -454,7 +454,7 @@ def test_compact_padding_gives_trl_log_probs_with_fewer_tokens(tmp_path, smollm2
 def test_token_budget_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_tokenizer, tiny_model_factory):
     """max_tokens_per_micro_batch: the mini-batch is cut into the fewest micro-batches that fit the budget (unused
     accumulation slots run an empty micro-batch); losses and gradients equal fixed-size micro-batching."""
-    from trl_multiturn.trainer import _chunk_tokens
+    from trl_multiturn.batching import chunk_tokens
 
     runs, chunks = {}, {}
     for name in (None, 120, 10**6, "120 unshared"):
@@ -479,7 +479,7 @@ def test_token_budget_micro_batches_leave_the_loss_unchanged(tmp_path, smollm2_t
         real = [c for c in chunks[name] if not c.get("empty_micro_batch")]
         lengths = [(c["prompt_mask"].sum(1) + c["completion_mask"].sum(1)) for c in real]
         # padded size within budget (the shared-prompt forward computes a repeated prompt once)
-        assert all(len(n) == 1 or _chunk_tokens(c, True, False, share)[0] <= budget for c, n in zip(real, lengths))
+        assert all(len(n) == 1 or chunk_tokens(c, True, False, share)[0] <= budget for c, n in zip(real, lengths))
         if not share:
             assert all(len(n) == 1 or len(n) * int(n.max()) <= budget for n in lengths)
         assert sum(len(n) for n in lengths) == 8 * 2  # every trajectory of both steps trained exactly once
@@ -518,7 +518,7 @@ def test_compact_padding_leaves_training_unchanged(tmp_path, smollm2_tokenizer, 
 
 
 def test_tokens_processed_counts_the_compacted_width():
-    from trl_multiturn.trainer import _tokens_processed
+    from trl_multiturn.batching import _tokens_processed
 
     chunk = {"prompt_ids": torch.zeros(3, 7), "completion_ids": torch.zeros(3, 5),
              "prompt_mask": torch.tensor([[0, 0, 0, 0, 0, 1, 1], [1] * 7, [0, 0, 0, 1, 1, 1, 1]]),
@@ -533,7 +533,7 @@ def test_packed_sequences_give_the_unpacked_log_probs(tmp_path, smollm2_tokenize
     from trl import GRPOTrainer
 
     from trl_multiturn.batching import first_fit_decreasing
-    from trl_multiturn.trainer import _tokens_processed
+    from trl_multiturn.batching import _tokens_processed
 
     trainer = MultiTurnGRPOTrainer(
         model=tiny_model_factory(), args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
@@ -617,17 +617,17 @@ def test_flash_attention_packs_a_micro_batch_into_one_row(tmp_path, smollm2_toke
 
     from trl import GRPOTrainer
 
-    import trl_multiturn.trainer as trainer_module
+    import trl_multiturn.scoring as scoring_module
 
-    assert trainer_module._varlen_attention(SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2")))
-    assert trainer_module._varlen_attention(SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(
+    assert scoring_module.varlen_attention(SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2")))
+    assert scoring_module.varlen_attention(SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(
         _attn_implementation="kernels-community/flash-attn3"))))
     trainer = MultiTurnGRPOTrainer(
         model=tiny_model_factory(), args=make_args(tmp_path), train_dataset=dataset(), environment_factory=FeedbackEnv,
         reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
     )
     model = trainer.model.train()
-    assert not trainer_module._varlen_attention(model)  # sdpa
+    assert not scoring_module.varlen_attention(model)  # sdpa
     lengths = [(7, 9), (2, 3), (5, 5)]
     ids, mask, c_w = _left_right_padded_batch(lengths, smollm2_tokenizer.pad_token_id, seed=4)
     shapes = []
@@ -636,7 +636,7 @@ def test_flash_attention_packs_a_micro_batch_into_one_row(tmp_path, smollm2_toke
     with torch.no_grad():
         theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, c_w)
         packed_rows, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
-        monkeypatch.setattr(trainer_module, "_varlen_attention", lambda model: True)
+        monkeypatch.setattr(scoring_module, "varlen_attention", lambda model: True)
         one_row, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, c_w)
     hook.remove()
     real = mask[:, -c_w:].bool()
@@ -752,7 +752,7 @@ def test_shared_budget_parts():
     """Token budget with the shared-prompt forward: a micro-batch that repeats a prompt costs each distinct prompt
     once (less its last token) plus each row's completion and last prompt token, without padding; the fewest
     micro-batches, then the fewest tokens."""
-    from trl_multiturn.trainer import _shared_budget_parts, _shared_cost
+    from trl_multiturn.batching import _shared_budget_parts, _shared_cost
 
     keys = [(1,) * 21] * 4 + [(2,) * 11] * 4
     p = [21] * 4 + [11] * 4
@@ -773,14 +773,14 @@ def test_shared_budget_parts():
 def test_fixed_micro_batches_keep_groups_together_for_the_shared_prompt():
     """Without a budget, the balanced dealing by length mixes groups; with share_prompt_prefix the micro-batches are
     whole groups when that computes fewer tokens (each group's prompt once, no padding)."""
-    from trl_multiturn.trainer import _balanced_micro_batches, _chunk_tokens
+    from trl_multiturn.batching import balanced_micro_batches, chunk_tokens
 
     ids, mask, c_w = _group_batch([(30, [20, 3, 19, 2]), (30, [21, 4, 18, 1])], pad_id=0, seed=5)
     batch = {"prompt_ids": ids[:, :-c_w], "prompt_mask": mask[:, :-c_w], "completion_ids": ids[:, -c_w:],
              "completion_mask": mask[:, -c_w:], "tool_mask": mask[:, -c_w:].clone(), "advantages": torch.zeros(8)}
-    plans = {share: _balanced_micro_batches(batch, 2, 2, share_prefix=share) for share in (False, True)}
+    plans = {share: balanced_micro_batches(batch, 2, 2, share_prefix=share) for share in (False, True)}
     prompts = lambda chunk: {tuple(r.tolist()) for r in chunk["prompt_ids"]}  # noqa: E731
     assert all(len(prompts(c)) == 2 for c in plans[False])  # dealt by length: both groups in each
     assert all(len(prompts(c)) == 1 and len(c["prompt_ids"]) == 4 for c in plans[True])
-    tokens = {share: sum(_chunk_tokens(c, True, False, True)[0] for c in plan) for share, plan in plans.items()}
+    tokens = {share: sum(chunk_tokens(c, True, False, True)[0] for c in plan) for share, plan in plans.items()}
     assert tokens[True] == 2 * 29 + sum(c + 1 for c in [20, 3, 19, 2, 21, 4, 18, 1]) < tokens[False]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trl_multiturn.advantages import VALID_TURN_ADVANTAGES, group_advantages, turn_advantages
-from trl_multiturn.trajectory import Trajectory, collate_trajectories
+from trl_multiturn.trajectory import Trajectory, completion_tensors
 
 EPS = 1e-6
 
@@ -175,7 +175,7 @@ def test_zero_turn_rewards_reduce_to_plain_grpo(seed):
     assert not torch.allclose(disc, plain)
 
 
-def test_works_on_a_collated_batch():
+def test_works_on_completion_tensors():
     trajs = []
     for reward, hits in [(1.0, [1.0, 0.0]), (0.0, [0.0])]:
         t = Trajectory(prompt_ids=[1, 2])
@@ -185,17 +185,17 @@ def test_works_on_a_collated_batch():
             t.add_observation([99])
         t.reward = reward
         trajs.append(t)
-    batch = collate_trajectories(trajs, pad_token_id=0, padding_side="left")
+    turn_ids, action_mask = completion_tensors([t.turn_ids for t in trajs], [t.action_mask for t in trajs], width=7)
     adv = turn_advantages(
-        "mt-grpo", batch.rewards, [t.turn_rewards for t in trajs], batch.turn_ids, batch.action_mask, 2
+        "mt-grpo", [t.reward for t in trajs], [t.turn_rewards for t in trajs], turn_ids, action_mask, 2
     )
-    assert adv.shape == batch.input_ids.shape
-    assert (adv[batch.action_mask == 0] == 0).all()  # prompt, observations and padding get nothing
+    assert adv.shape == turn_ids.shape == (2, 7)
+    assert (adv[action_mask == 0] == 0).all()  # observations and padding get nothing
     u = 0.5 / (math.sqrt(0.5) + EPS)
     # outcome (1, 0) -> (u, -u); turn 0 hits (1, 0) -> (u, -u); turn 1 (0, missing=0) -> 0
-    assert adv[0][batch.turn_ids[0] == 0][:2].tolist() == pytest.approx([2 * u, 2 * u], rel=1e-6)
-    assert adv[0][(batch.turn_ids[0] == 1) & (batch.action_mask[0] == 1)].tolist() == pytest.approx([u, u], rel=1e-6)
-    assert adv[1][batch.action_mask[1] == 1].tolist() == pytest.approx([-2 * u, -2 * u], rel=1e-6)
+    assert adv[0][turn_ids[0] == 0][:2].tolist() == pytest.approx([2 * u, 2 * u], rel=1e-6)
+    assert adv[0][(turn_ids[0] == 1) & (action_mask[0] == 1)].tolist() == pytest.approx([u, u], rel=1e-6)
+    assert adv[1][action_mask[1] == 1].tolist() == pytest.approx([-2 * u, -2 * u], rel=1e-6)
 
 
 def test_bad_inputs_raise_clear_errors():

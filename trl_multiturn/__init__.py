@@ -11,8 +11,6 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Trajectory": "trl_multiturn.trajectory",
-    "TrajectoryBatch": "trl_multiturn.trajectory",
-    "collate_trajectories": "trl_multiturn.trajectory",
     "group_advantages": "trl_multiturn.advantages",
     "turn_advantages": "trl_multiturn.advantages",
     "aggregate_loss": "trl_multiturn.loss",
@@ -64,4 +62,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from .protocols import ChatToolProtocol, TagProtocol
     from .sft import MultiTurnSFTTrainer, sft_dataset, train_sft, trajectories_from_policy, trajectory_from_messages, trajectory_from_tag_text
     from .trainer import MultiTurnGRPOTrainer
-    from .trajectory import Trajectory, TrajectoryBatch, collate_trajectories
+    from .trajectory import Trajectory

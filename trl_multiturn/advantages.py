@@ -16,12 +16,16 @@ Departures from VeRL / TRL, each on purpose:
 - ``eps`` defaults to VeRL's 1e-6 (TRL adds 1e-4).
 - ``keep`` (both functions) leaves dropped trajectories (failed environment, non-finite reward) out of every mean
   and std, in every mode; they get 0, and so does a group that keeps fewer than 2 members.
+
+:func:`rollout_advantages` is what the trainer calls on a whole rollout: it weights the reward functions, decides
+which trajectories are dropped, and hands the rest to :func:`group_advantages` or :func:`turn_advantages`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -282,7 +286,7 @@ def turn_advantages(
         mode: one of ``VALID_TURN_ADVANTAGES``.
         rewards: (B,) outcome rewards. Per-turn rewards are NOT added to it here: pass them in ``turn_rewards``.
         turn_rewards: B lists, list b holding the K_b per-turn rewards of trajectory b (lengths may differ).
-        turn_ids: (B, T) turn of each token (0-based), -1 on prompt/padding (``TrajectoryBatch.turn_ids``).
+        turn_ids: (B, T) turn of each token (0-based), -1 on prompt/padding (``trl_multiturn.trajectory.completion_tensors``).
         action_mask: (B, T) 1 on sampled tokens; the result is 0 wherever it is 0.
         group_size: G, rollouts per prompt, contiguous rows.
         scale, eps: as in :func:`group_advantages`, used for every normalization.
@@ -332,3 +336,73 @@ def turn_advantages(
     index = turn_ids.clamp(0, per_turn.shape[1] - 1)  # (B, T) safe gather index; masked tokens dropped below
     per_token = per_turn.gather(1, index)  # (B, T) A_{b, k(b,t)}
     return torch.where(mask, per_token, torch.zeros_like(per_token))  # (B, T)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a whole rollout
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class RolloutAdvantages:
+    """The advantages of a rollout and what decided them (:func:`rollout_advantages`)."""
+
+    advantages: torch.Tensor  # (B,) per trajectory, or (B, T) per token for a turn mode; 0 on dropped rows
+    rewards: torch.Tensor  # (B,) weighted sum of the reward functions, NaN where dropped
+    dropped: torch.Tensor  # (B,) bool: the environment failed or a reward is not finite
+
+
+def rollout_advantages(
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    failed: torch.Tensor,
+    group_size: int,
+    *,
+    mode: str = "trajectory",
+    scale: str = "group",
+    eps: float = 1e-6,
+    turn_rewards: Sequence[Sequence[float]] | None = None,
+    turn_ids: torch.Tensor | None = None,
+    action_mask: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    turn_weight: float = 1.0,
+) -> RolloutAdvantages:
+    """Advantages of a whole rollout from its reward table, as ``MultiTurnGRPOTrainer`` trains them.
+
+    ``r_b = sum_f w_f R_bf`` (NaN entries skipped). Trajectory b is dropped (left out of its group's baseline, advantage
+    0) when its environment failed, its environment reward (the last column) is not finite, any reward is infinite,
+    or every reward is NaN. Then "trajectory" mode: :func:`group_advantages` of ``r``; a turn mode:
+    :func:`turn_advantages` with the reward functions alone as the outcome (the environment's per-turn rewards enter
+    as ``turn_rewards``, a non-finite one read as 0).
+
+    Args:
+        rewards_per_func: (B, F) reward of each reward function, the environment's reward last (NaN: no reward).
+        weights: (F,) ``reward_weights``, the environment's last.
+        failed: (B,) bool, the environment failed.
+        group_size: G, rollouts per prompt, contiguous rows.
+        mode: ``turn_advantage``, one of ``VALID_TURN_ADVANTAGES``.
+        scale: ``scale_rewards``; a value outside ``VALID_SCALES`` (TRL's bool) means "group".
+        eps, gamma, turn_weight: as :func:`turn_advantages`.
+        turn_rewards, turn_ids, action_mask: the turn modes' inputs (B lists; (B, T), (B, T)); unread in
+            "trajectory" mode.
+
+    Returns:
+        :class:`RolloutAdvantages`.
+    """
+    w = weights.to(rewards_per_func.device)  # (F,)
+    rewards = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # (B,)
+    bad = (~torch.isfinite(rewards_per_func[:, -1]) | torch.isinf(rewards_per_func).any(dim=1)
+           | torch.isnan(rewards_per_func).all(dim=1))  # (B,)
+    dropped = bad | failed.to(bad.device)  # (B,)
+    rewards[dropped] = float("nan")  # (B,)
+    scale = scale if scale in VALID_SCALES else "group"
+    if mode == "trajectory":
+        advantages = group_advantages(rewards, group_size, scale=scale, eps=eps, keep=torch.isfinite(rewards))  # (B,)
+        return RolloutAdvantages(advantages, rewards, dropped)
+    outcome = (rewards_per_func[:, :-1] * w[:-1].unsqueeze(0)).nansum(dim=1)  # (B,) the reward functions only
+    outcome[dropped] = float("nan")
+    finite = [[0.0] * len(row) if d else [r if math.isfinite(r) else 0.0 for r in row]
+              for row, d in zip(turn_rewards, dropped.tolist())]
+    advantages = turn_advantages(
+        mode, outcome.cpu(), finite, turn_ids, action_mask, group_size, scale=scale, eps=eps, gamma=gamma,
+        turn_weight=turn_weight, keep=~dropped.cpu(),  # every column normalized over the kept members only
+    )  # (B, T), 0 on dropped rows
+    return RolloutAdvantages(advantages, rewards, dropped)

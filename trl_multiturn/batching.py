@@ -15,13 +15,26 @@ Departures: VeRL counts ``ppo_mini_batch_size`` in prompts and multiplies it by 
 ``train_batch_size`` is counted in trajectories. A mini-batch that is not a multiple of G (so that prompt groups
 are split across optimizer steps) is allowed with a warning: the update is still valid, but the "pg_loss is 0 on a
 fresh rollout" identity (docs/math.md) then holds only for the rollout as a whole, not per step.
+
+The planner cuts one scored rollout (TRL's dict of ``(B, ...)`` tensors) into those micro-batches:
+:func:`shuffle_groups` permutes whole GRPO groups, :func:`balanced_micro_batches` deals each mini-batch into its
+accumulation slots balanced by tokens (or cut to a token budget, VeRL's ``use_dynamic_bsz``), trimmed to their own
+padding, and :func:`attach_normalizers` gives every micro-batch the loss normalizers of its whole mini-batch over all
+ranks, so that the accumulated micro-batch losses equal the mini-batch loss (``trl_multiturn.loss``).
+:func:`chunk_tokens` is the cost model: the tokens the training forward of a micro-batch computes in its layout.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
+
+import torch
+
+from .layouts import prompt_keys, shares_prompts
+from .loss import loss_normalizers
 
 
 def _nearest(value: int, candidates: list[int]) -> int | None:
@@ -261,3 +274,252 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
             room.append(capacity - lengths[i])
     return bins
 
+
+def _tokens_processed(chunk: dict, compact: bool, pack: bool = False, share: bool = False) -> int:
+    """Tokens one training forward of ``chunk`` computes, padding included."""
+    return chunk_tokens(chunk, compact, pack, share)[0]
+
+
+def chunk_tokens(chunk: dict, compact: bool, pack: bool = False, share: bool = False) -> tuple[int, int]:
+    """``(processed, real)``: tokens the training forward of ``chunk`` computes, padding included, and how many of
+    them are real tokens. With ``share``, a prompt repeated in the chunk is computed once (see
+    ``trl_multiturn.layouts.shared_prompt_row``)."""
+    prompt_len, completion_len = chunk["prompt_mask"].sum(1), chunk["completion_mask"].sum(1)  # (B,)
+    real = int(prompt_len.sum() + completion_len.sum())
+    if not compact:
+        return chunk["prompt_ids"].numel() + chunk["completion_ids"].numel(), real
+    lengths = (prompt_len + completion_len).tolist()
+    if not lengths:
+        return 0, 0
+    if share and not chunk.get("empty_micro_batch"):
+        keys = prompt_keys(chunk["prompt_ids"], chunk["prompt_mask"])
+        if shares_prompts(keys):
+            cost = _shared_cost(keys, prompt_len.tolist(), completion_len.tolist(), range(len(keys)))
+            return cost, cost  # one row, no padding
+    rows = len(first_fit_decreasing(lengths, max(lengths))) if pack else len(lengths)
+    return int(max(lengths)) * rows, real
+
+
+def _shared_cost(keys: list, prompt_len: list[int], completion_len: list[int], part) -> int:
+    """Tokens the training forward of rows ``part`` computes. When a prompt repeats in it (shared-prompt forward,
+    one row without padding): each distinct prompt once, less its last token, plus each row's ``[last prompt token,
+    completion]``; otherwise rows x longest row."""
+    part = list(part)
+    if not shares_prompts([keys[i] for i in part]):
+        return len(part) * max(prompt_len[i] + completion_len[i] for i in part)
+    distinct = {keys[i]: prompt_len[i] - 1 for i in part}
+    return sum(distinct.values()) + sum(completion_len[i] + 1 for i in part)
+
+
+def _rows(value, index: list[int]):
+    if isinstance(value, torch.Tensor):
+        return value[torch.tensor(index, dtype=torch.long, device=value.device)]
+    return [value[i] for i in index]
+
+
+def _take_rows(batch: dict, index: list[int], n: int, prompt_width: int, completion_width: int) -> dict:
+    """The rows ``index`` of ``batch``, prompts cut to their last ``prompt_width`` columns (left padding) and the
+    completion-wide (B, C) tensors to their first ``completion_width`` columns (right padding)."""
+    width = batch["completion_ids"].size(1)
+    chunk = {}
+    for key, value in batch.items():
+        if value is None or isinstance(value, torch.Tensor) and value.ndim == 0:
+            chunk[key] = value
+            continue
+        if not isinstance(value, (torch.Tensor, list)) or len(value) != n:
+            chunk[key] = value
+            continue
+        v = _rows(value, index)
+        if isinstance(v, torch.Tensor) and key in ("prompt_ids", "prompt_mask"):
+            v = v[:, v.size(1) - prompt_width :]
+        elif isinstance(v, torch.Tensor) and v.ndim == 2 and v.size(1) == width:
+            v = v[:, :completion_width]
+        chunk[key] = v
+    return chunk
+
+
+def _empty_micro_batch(batch: dict, row: int, n: int) -> dict:
+    """A micro-batch that carries no loss: one row cut to two real tokens (its last prompt token and first
+    completion token, or its last two prompt tokens), the loss mask (``tool_mask``) all 0. Its forward/backward keeps
+    the accumulation count and the DDP/DeepSpeed hooks as planned at ~no cost; a row without a loss token counts in
+    no normalizer, so the mini-batch loss is unchanged."""
+    has_completion = int(batch["completion_mask"][row].sum()) > 0
+    chunk = _take_rows(batch, [row], n, 1 if has_completion else 2, 1)
+    chunk["tool_mask"] = torch.zeros_like(chunk["tool_mask"])
+    chunk["empty_micro_batch"] = True
+    return chunk
+
+
+def _token_budget_parts(lengths: list[int], budget: int, slots: int) -> list[list[int]] | None:
+    """Rows sorted by length (longest first) and cut into the fewest consecutive micro-batches whose padded size
+    (rows x longest row) fits ``budget`` (a row longer than the budget goes alone), and among those the one with the
+    fewest tokens processed; similar lengths share a micro-batch, so little is padding. None when that takes more
+    than ``slots`` micro-batches. Returns row indices per part, each sorted."""
+    n = len(lengths)
+    return _shared_budget_parts([(i,) for i in range(n)], [1] * n, [x - 1 for x in lengths], budget, slots)
+
+
+def _shared_budget_parts(keys: list, prompt_len: list[int], completion_len: list[int], budget: int,
+                         slots: int) -> list[list[int]] | None:
+    """:func:`_token_budget_parts` where a micro-batch that repeats a prompt costs what the shared-prompt forward
+    computes (:func:`_shared_cost`: each distinct prompt once, no padding). Rows are laid out in three orders (by
+    length; by completion length; a prompt's rows together, longest completion first), each cut into the fewest
+    consecutive parts within the budget with the fewest tokens among those (dynamic programming), and the best plan
+    kept. None when it needs more than ``slots`` parts."""
+    n = len(keys)
+    by_prompt: dict[tuple, list[int]] = defaultdict(list)
+    for i in range(n):
+        by_prompt[keys[i]].append(i)
+    groups = sorted(by_prompt.values(), key=lambda rows: (-max(prompt_len[i] + completion_len[i] for i in rows), rows[0]))
+    orders = [sorted(range(n), key=lambda i: (-(prompt_len[i] + completion_len[i]), i))]
+    if len(groups) < n:
+        orders += [
+            sorted(range(n), key=lambda i: (-completion_len[i], i)),
+            [i for rows in groups for i in sorted(rows, key=lambda i: (-completion_len[i], i))],
+        ]
+    plans = []
+    for order in orders:
+        for parts in (_cheapest_cut(order, keys, prompt_len, completion_len, budget),
+                      _greedy_cut(order, keys, prompt_len, completion_len, budget)):
+            plans.append((len(parts), sum(_shared_cost(keys, prompt_len, completion_len, p) for p in parts), parts))
+    count, _, parts = min(plans, key=lambda plan: plan[:2])
+    return [sorted(p) for p in parts] if count <= slots else None
+
+
+def _greedy_cut(order, keys, prompt_len, completion_len, budget) -> list[list[int]]:
+    """Consecutive parts of ``order``, each as long as the budget allows (fewest parts for a length-sorted order)."""
+    parts: list[list[int]] = []
+    for i in order:
+        if parts and _shared_cost(keys, prompt_len, completion_len, parts[-1] + [i]) <= budget:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return parts
+
+
+#: the most rows a micro-batch gets from the cheapest-cut search (bounds its O(n * rows^2) cost; the greedy cut,
+#: also a candidate, has no bound)
+_MAX_SEARCH_ROWS = 64
+
+
+def _cheapest_cut(order, keys, prompt_len, completion_len, budget) -> list[list[int]]:
+    """Consecutive parts of ``order`` within ``budget`` (a row alone may exceed it): the fewest parts, and among them
+    the fewest tokens processed, ``best[j] = min_i best[i] + (1, cost(order[i:j]))``. A part stops growing once its
+    completion tokens (a lower bound of its cost) exceed the budget."""
+    n = len(order)
+    best = [(0, 0)] + [(math.inf, math.inf)] * n
+    start = [0] * (n + 1)
+    for i in range(n):
+        floor = 0
+        for j in range(i, min(n, i + _MAX_SEARCH_ROWS)):
+            floor += completion_len[order[j]] + 1
+            if j > i and floor > budget:
+                break
+            cost = _shared_cost(keys, prompt_len, completion_len, order[i : j + 1])
+            if j > i and cost > budget:
+                continue
+            candidate = (best[i][0] + 1, best[i][1] + cost)
+            if candidate < best[j + 1]:
+                best[j + 1], start[j + 1] = candidate, i
+    parts, j = [], n
+    while j > 0:
+        parts.append(list(order[start[j] : j]))
+        j = start[j]
+    return parts[::-1]
+
+
+def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int | None = None,
+                            share_prefix: bool = False) -> list[dict]:
+    """Cut the rollout into ``steps`` micro-batches: consecutive mini-batches of equal size (whole groups kept by the
+    shuffle), each dealt into ``accum`` micro-batches of balanced token counts and trimmed to their own padding.
+
+    With ``share_prefix`` and no budget, equal consecutive slices (whole groups) replace the balanced dealing when
+    the shared-prompt forward computes fewer tokens for them.
+
+    With ``max_tokens`` (token-budget micro-batches, VeRL's ``use_dynamic_bsz``), each mini-batch is cut into the
+    fewest length-sorted micro-batches whose padded size fits the budget (with ``share_prefix``, sized for the
+    shared-prompt forward: :func:`_shared_budget_parts`); the remaining of its ``accum`` accumulation slots get an
+    empty micro-batch (:func:`_empty_micro_batch`). When the budget would need more than ``accum`` micro-batches the
+    mini-batch is cut into ``accum`` balanced ones instead (over budget; the caller warns).
+
+    Trimming is exact: prompts are left-padded and completions right-padded, so dropping all-padding columns changes
+    no logit of a real token. Per-token tensors (B, C) are trimmed with the completions.
+    """
+    n = batch["prompt_ids"].size(0)
+    if n % steps != 0:
+        raise ValueError(f"internal: rollout of {n} rows is not divisible into {steps} micro-batches")
+    per_mini = n // (steps // accum)
+    prompt_len = batch["prompt_mask"].sum(1)  # (B,)
+    completion_len = batch["completion_mask"].sum(1)  # (B,)
+    chunks = []
+    for start in range(0, n, per_mini):
+        rows = list(range(start, start + per_mini))
+        lengths = [int(prompt_len[r] + completion_len[r]) for r in rows]
+        if max_tokens and share_prefix:
+            keys = prompt_keys(batch["prompt_ids"][rows[0] : rows[-1] + 1], batch["prompt_mask"][rows[0] : rows[-1] + 1])
+            p_len, c_len = [int(prompt_len[r]) for r in rows], [int(completion_len[r]) for r in rows]
+            parts = _shared_budget_parts(keys, p_len, c_len, max_tokens, accum)
+        else:
+            parts = _token_budget_parts(lengths, max_tokens, accum) if max_tokens else None
+        over_budget = bool(max_tokens) and parts is None
+        if parts is None:
+            parts = balanced_partition(lengths, accum)
+            if share_prefix and not max_tokens:
+                # groups are contiguous (shuffled whole): equal consecutive slices keep a group's rows together, and
+                # the shared-prompt forward computes their prompt once and no padding; keep the cheaper plan
+                keys = prompt_keys(batch["prompt_ids"][start : start + per_mini], batch["prompt_mask"][start : start + per_mini])
+                p_len, c_len = [int(prompt_len[r]) for r in rows], [int(completion_len[r]) for r in rows]
+                size = per_mini // accum
+                slices = [list(range(k * size, (k + 1) * size)) for k in range(accum)] if per_mini % accum == 0 else None
+                cost = lambda plan: sum(_shared_cost(keys, p_len, c_len, part) for part in plan if part)  # noqa: E731
+                if slices is not None and cost(slices) < cost(parts):
+                    parts = slices
+        for part in parts:
+            index = [rows[i] for i in part]
+            p_w = int(prompt_len[index].max())
+            c_w = max(int(completion_len[index].max()), 1)
+            chunk = _take_rows(batch, index, n, p_w, c_w)
+            chunk["over_token_budget"] = over_budget
+            chunks.append(chunk)
+        shortest = rows[min(range(len(rows)), key=lambda i: (int(completion_len[rows[i]]) == 0, lengths[i]))]
+        chunks.extend(_empty_micro_batch(batch, shortest, n) for _ in range(accum - len(parts)))
+    return chunks
+
+
+def shuffle_groups(batch: dict, group_size: int) -> dict:
+    """Permute whole GRPO groups (members stay together and in order) across the local rollout."""
+    n = next(len(v) for v in batch.values() if isinstance(v, (list, torch.Tensor)) and getattr(v, "ndim", 1) > 0)
+    if n % group_size != 0:
+        perm = torch.randperm(n)  # groups are split across ranks: fall back to a plain shuffle
+    else:
+        order = torch.randperm(n // group_size)
+        perm = (order.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.size(0) == n:
+            out[key] = value[perm.to(value.device)]
+        elif isinstance(value, list) and len(value) == n:
+            out[key] = [value[i] for i in perm.tolist()]
+        else:
+            out[key] = value
+    return out
+
+
+def chunk_normalizers(chunks: list[dict], device=None) -> torch.Tensor:
+    """(chunks, 2) float64: each micro-batch's ``(sequences, tokens)`` that carry loss (:func:`loss_normalizers` of
+    ``completion_mask * tool_mask``), to be summed over ranks and handed to :func:`attach_normalizers`."""
+    local = torch.zeros(len(chunks), 2, dtype=torch.float64, device=device)  # (chunks, 2)
+    for j, chunk in enumerate(chunks):
+        local[j, 0], local[j, 1] = loss_normalizers(chunk["completion_mask"] * chunk["tool_mask"])
+    return local
+
+
+def attach_normalizers(chunks: list[dict], totals: torch.Tensor, accum: int) -> None:
+    """Give each micro-batch the ``(sequences, tokens)`` of its whole mini-batch, ``mb_num_sequences`` and
+    ``mb_num_tokens``: the sums of ``totals`` (chunks, 2) (:func:`chunk_normalizers` summed over ranks) over the
+    ``accum`` consecutive micro-batches of its mini-batch."""
+    for j, chunk in enumerate(chunks):
+        mb = j // accum
+        group = totals[mb * accum : (mb + 1) * accum].sum(dim=0)  # (2,)
+        chunk["mb_num_sequences"] = group[0].float()
+        chunk["mb_num_tokens"] = group[1].float()

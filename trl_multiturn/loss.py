@@ -12,6 +12,10 @@ then one scalar from the (B, T) matrix ``l`` by :func:`aggregate_loss` (VeRL's f
 ``loss_type`` names as aliases). The project default is "seq-mean-token-mean": each trajectory's tokens are
 averaged over its own N_g sampled tokens, then trajectories are averaged.
 
+:func:`grpo_loss` is the whole objective the trainer backpropagates, in one call: the vLLM importance-sampling
+weight on the advantages, :func:`policy_loss`, and ``beta`` times the aggregated KL to the reference model
+(:func:`kl_penalty`, optionally bias-corrected by the ratio).
+
 Split invariance: a mini-batch is cut into micro-batches (gradient accumulation) and ranks (DDP). Pass the WHOLE
 mini-batch's counts (:func:`loss_normalizers`, summed over micro-batches and ranks) as ``global_num_sequences`` /
 ``global_num_tokens``; each shard then returns its contribution, and the SUM of the contributions equals the loss
@@ -189,7 +193,7 @@ def policy_loss(
 
     Args:
         logprobs: (B, T) log-probs of the sampled tokens under the current policy (carries the gradient).
-        old_logprobs: (B, T) log-probs under the behaviour policy that sampled them (``TrajectoryBatch.old_logprobs``).
+        old_logprobs: (B, T) log-probs under the behaviour policy that sampled them (TRL's ``old_per_token_logps``).
         advantages: (B,) one per trajectory, or (B, T) one per token (``trl_multiturn.advantages.turn_advantages``).
         mask: (B, T) 1 on tokens the policy sampled; every other position has no effect on loss or gradient.
         epsilon_low, epsilon_high: the clip range ``[1 - epsilon_low, 1 + epsilon_high]`` (TRL ``epsilon``,
@@ -288,6 +292,54 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
         return 0.5 * diff.square()  # (B, T)
     neg = torch.clamp(-diff, min=-20.0, max=20.0)  # (B, T) logp_ref - logp
     return torch.clamp(torch.exp(neg) - neg - 1.0, min=-10.0, max=10.0)  # (B, T) k3
+
+
+def grpo_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+    ref_logprobs: torch.Tensor | None = None, importance_sampling_ratio: torch.Tensor | None = None, beta: float = 0.0,
+    use_bias_correction_kl: bool = False, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+    aggregation: str = "seq-mean-token-mean", global_num_sequences: int | float | torch.Tensor | None = None,
+    global_num_tokens: int | float | torch.Tensor | None = None, norm_constant: int | float | None = None,
+    delta: float | None = None, importance_sampling_level: str = "token",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The whole GRPO objective of one micro-batch, as ``MultiTurnGRPOTrainer.compute_loss`` trains it:
+
+        L = policy_loss(logp, logp_old, w A, mask) + beta * aggregate(k3(logp, logp_ref) [* rho], mask)
+
+    Args:
+        logprobs, old_logprobs, advantages, mask: as :func:`policy_loss`.
+        epsilon_low, epsilon_high, delta, importance_sampling_level: as :func:`policy_loss`.
+        aggregation, global_num_sequences, global_num_tokens, norm_constant: as :func:`policy_loss`, for the KL too.
+        ref_logprobs: (B, T) reference-model log-probs; read only when ``beta != 0``.
+        importance_sampling_ratio: (B, T) or (B, 1) TRL's vLLM correction ``w >= 0`` (truncated or masked
+            importance ratio between learner and sampler), or None. ``max(-w A rho, -w A clip(rho)) =
+            w max(-A rho, -A clip(rho))``: weighting a token's loss by ``w`` is scaling its advantage by ``w``.
+        beta: weight of the KL to the reference model (Schulman's k3, :func:`kl_penalty`), aggregated as the loss.
+        use_bias_correction_kl: TRL's default: the KL of pi estimated on samples of pi_old, each token's k3
+            weighted by its importance ratio ``rho`` (:func:`log_importance_weights`).
+
+    Returns:
+        ``(loss, stats)``: the loss () to backpropagate and :func:`policy_loss`'s stats (``pg_loss`` is the policy
+        term alone), plus ``kl`` (() detached, the aggregated KL before ``beta``) when ``beta != 0``.
+    """
+    if importance_sampling_ratio is not None:
+        adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+        advantages = (adv * importance_sampling_ratio).expand_as(logprobs)  # (B, T) w A
+    counts = dict(global_num_sequences=global_num_sequences, global_num_tokens=global_num_tokens,
+                  norm_constant=norm_constant)
+    loss, stats = policy_loss(
+        logprobs, old_logprobs, advantages, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        aggregation=aggregation, delta=delta, importance_sampling_level=importance_sampling_level, **counts,
+    )  # () policy term
+    if beta != 0.0:
+        kl = kl_penalty(logprobs, ref_logprobs, kind="low_var_kl")  # (B, T) k3
+        if use_bias_correction_kl:
+            log_rho = log_importance_weights(logprobs, old_logprobs, mask, importance_sampling_level)  # (B, T)
+            kl = kl * torch.exp(log_rho)  # (B, T) k3 of pi on samples of pi_old
+        kl_loss = aggregate_loss(kl, mask, aggregation, **counts)  # ()
+        loss = loss + beta * kl_loss  # ()
+        stats["kl"] = kl_loss.detach()  # ()
+    return loss, stats
 
 
 def sampler_learner_gap(

@@ -1,23 +1,22 @@
-"""One multi-turn rollout as exact token ids, and its collation into padded tensors.
+"""One multi-turn rollout as exact token ids, the ONE place where its ids and masks are built.
 
 A trajectory is ``tau = (u_1, a_1, u_2, a_2, ..., u_K, a_K)`` forwarded once as one sequence. ``u_1`` is the prompt
 (``prompt_ids``); everything after it is the *completion*: the actions ``a_k`` sampled by the policy (action mask 1)
 interleaved with what the environment inserted (observations, tool results and the template tokens around them,
-action mask 0). This module is the ONE place where ids and masks are assembled into tensors; the action mask has a
-single meaning everywhere in the package: 1 = this token was sampled by the policy and carries loss.
+action mask 0). The mask is built where the tokens are produced (:meth:`Trajectory.add_action`,
+:meth:`Trajectory.add_observation`), and has a single meaning everywhere in the package: 1 = this token was sampled by
+the policy and carries loss.
 
-Collation (:func:`collate_trajectories`) turns a list of trajectories into one :class:`TrajectoryBatch` of padded
-tensors over the WHOLE sequence (prompt + completion). Departure from TRL, which keeps ``prompt_ids`` and
-``completion_ids`` as two separately padded tensors: a multi-turn trajectory is one sequence, so there is one
-tensor per quantity and per-token fields are aligned with ``input_ids`` (position ``i`` describes token ``i``).
-Prompt tokens and padding carry action mask 0, turn id -1 and old log-prob 0.
+Tensors: the trainer hands the exact lists to TRL through ``rollout_func`` and TRL pads them into its layout
+(``prompt_ids`` left-padded, ``completion_ids`` and the action mask, TRL's ``tool_mask``, right-padded);
+:func:`completion_tensors` lays out the per-token lists TRL does not carry (turn ids) in that same layout.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -115,136 +114,14 @@ class Trajectory:
             raise ValueError(f"Trajectory.reward is {self.reward}; rewards must be finite.")
 
 
-@dataclass
-class TrajectoryBatch:
-    """A collated batch of ``B`` trajectories padded to a common length ``L`` (see :func:`collate_trajectories`).
-
-    Every per-token field is aligned with ``input_ids``: position ``i`` describes token ``input_ids[b, i]``. A causal
-    LM's logits at position ``i`` predict token ``i + 1``, so a loss on sampled tokens uses
-    ``logits[:, :-1]`` against ``input_ids[:, 1:]`` and ``action_mask[:, 1:]``, ``old_logprobs[:, 1:]``.
-
-    Attributes:
-        input_ids: (B, L) long. Prompt + completion ids, padded with ``pad_token_id`` on ``padding_side``.
-        attention_mask: (B, L) long. 1 on every real token (prompt, actions and observations), 0 on padding.
-        action_mask: (B, L) long. 1 only on tokens sampled by the policy; 0 on prompt, observations and padding.
-        turn_ids: (B, L) long. Turn (0-based action index) of each completion token; -1 on prompt and padding.
-        old_logprobs: (B, L) float32. Behaviour-policy log-prob of each sampled token; 0.0 where action_mask is 0.
-        prompt_lengths: (B,) long. Number of prompt tokens ``P_b`` of each trajectory.
-        lengths: (B,) long. Unpadded length ``P_b + C_b`` of each trajectory (the attention-mask row sum).
-        rewards: (B,) float32. ``Trajectory.reward`` of each trajectory.
-        num_turns: (B,) long. ``Trajectory.num_turns`` ``K_b`` of each trajectory.
-        padding_side: "right" or "left": where the padding of each row sits.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    action_mask: torch.Tensor
-    turn_ids: torch.Tensor
-    old_logprobs: torch.Tensor
-    prompt_lengths: torch.Tensor
-    lengths: torch.Tensor
-    rewards: torch.Tensor
-    num_turns: torch.Tensor
-    padding_side: str = "right"
-
-    @property
-    def batch_size(self) -> int:
-        """B, the number of trajectories."""
-        return int(self.input_ids.shape[0])
-
-    @property
-    def seq_len(self) -> int:
-        """L, the padded length."""
-        return int(self.input_ids.shape[1])
-
-    def __len__(self) -> int:
-        return self.batch_size
-
-    def _tensor_fields(self) -> list[str]:
-        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
-
-    def to(self, device: torch.device | str) -> TrajectoryBatch:
-        """A copy with every tensor moved to ``device``."""
-        moved = {name: getattr(self, name).to(device) for name in self._tensor_fields()}
-        return TrajectoryBatch(**moved, padding_side=self.padding_side)
-
-    def select(self, index: slice | Sequence[int] | torch.Tensor) -> TrajectoryBatch:
-        """Rows ``index`` of every tensor (a micro-batch). Columns are kept, so padding may remain."""
-        if not isinstance(index, slice):
-            index = torch.as_tensor(index, dtype=torch.long, device=self.input_ids.device)
-        picked = {name: getattr(self, name)[index] for name in self._tensor_fields()}
-        return TrajectoryBatch(**picked, padding_side=self.padding_side)
-
-
-def collate_trajectories(
-    trajectories: Sequence[Trajectory],
-    pad_token_id: int,
-    padding_side: Literal["right", "left"] = "right",
-    pad_to_multiple_of: int | None = None,
-) -> TrajectoryBatch:
-    """Pad ``B`` trajectories into one :class:`TrajectoryBatch` (shapes listed there).
-
-    ``L = max_b (P_b + C_b)``, rounded up to a multiple of ``pad_to_multiple_of`` when given. Row ``b`` holds
-    ``prompt_ids + completion_ids`` followed (``padding_side="right"``) or preceded (``"left"``) by ``L - P_b - C_b``
-    pad tokens. Padding gets attention 0, action mask 0, turn id -1 and old log-prob 0; prompt tokens get
-    attention 1, action mask 0 and turn id -1; observation tokens get attention 1 and action mask 0; only sampled
-    tokens get action mask 1. Each trajectory is validated first (``Trajectory.validate``).
-
-    Raises:
-        ValueError: empty input, an unknown ``padding_side``, a non-positive ``pad_to_multiple_of``, an invalid
-            trajectory, or a non-finite log-prob on a sampled token.
-    """
-    if len(trajectories) == 0:
-        raise ValueError("collate_trajectories got no trajectories; pass at least one.")
-    if padding_side not in ("right", "left"):
-        raise ValueError(f"padding_side={padding_side!r} is not valid; use 'right' or 'left'.")
-    if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
-        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int or None.")
-    for b, traj in enumerate(trajectories):
-        try:
-            traj.validate()
-        except ValueError as err:
-            raise ValueError(f"trajectory {b}: {err}") from err
-        for i, (m, lp) in enumerate(zip(traj.action_mask, traj.logprobs)):
-            if m == 1 and not math.isfinite(lp):
-                raise ValueError(
-                    f"trajectory {b}: sampled completion token {i} has log-prob {lp}; sampled tokens need finite "
-                    "log-probs (the generator must return them)."
-                )
-
-    lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajectories]
-    width = max(lengths)
-    if pad_to_multiple_of is not None:
-        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
-    batch = len(trajectories)
-
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)  # (B, L)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)  # (B, L)
-    action_mask = torch.zeros((batch, width), dtype=torch.long)  # (B, L)
-    turn_ids = torch.full((batch, width), -1, dtype=torch.long)  # (B, L)
-    old_logprobs = torch.zeros((batch, width), dtype=torch.float32)  # (B, L)
-
-    for b, traj in enumerate(trajectories):
-        n_prompt, n_total = len(traj.prompt_ids), lengths[b]
-        start = 0 if padding_side == "right" else width - n_total  # first real token of row b
-        mask = torch.tensor(traj.action_mask, dtype=torch.long)  # (C,)
-        comp = slice(start + n_prompt, start + n_total)  # completion columns of row b
-        input_ids[b, start : start + n_total] = torch.tensor(traj.input_ids, dtype=torch.long)
-        attention_mask[b, start : start + n_total] = 1
-        action_mask[b, comp] = mask
-        turn_ids[b, comp] = torch.tensor(traj.turn_ids, dtype=torch.long)
-        logprobs = torch.tensor(traj.logprobs, dtype=torch.float32)  # (C,)
-        old_logprobs[b, comp] = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))  # 0.0 where mask 0
-
-    return TrajectoryBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        action_mask=action_mask,
-        turn_ids=turn_ids,
-        old_logprobs=old_logprobs,
-        prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),  # (B,)
-        lengths=torch.tensor(lengths, dtype=torch.long),  # (B,)
-        rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),  # (B,)
-        num_turns=torch.tensor([t.num_turns for t in trajectories], dtype=torch.long),  # (B,)
-        padding_side=padding_side,
-    )
+def completion_tensors(turn_ids: Sequence[Sequence[int]], action_masks: Sequence[Sequence[int]], width: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token lists of ``B`` completions (``Trajectory.turn_ids``, ``Trajectory.action_mask``) as ``(B, C)``
+    tensors laid out as TRL lays out ``completion_ids``: right-padded to ``width`` = C columns. Returns
+    ``(turn_ids, action_mask)``, long, -1 and 0 on padding."""
+    turns = torch.full((len(turn_ids), width), -1, dtype=torch.long)  # (B, C)
+    mask = torch.zeros((len(turn_ids), width), dtype=torch.long)  # (B, C)
+    for b, (tid, m) in enumerate(zip(turn_ids, action_masks)):
+        turns[b, : len(tid)] = torch.tensor(tid, dtype=torch.long)
+        mask[b, : len(m)] = torch.tensor(m, dtype=torch.long)
+    return turns, mask

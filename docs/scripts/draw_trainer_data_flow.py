@@ -4,7 +4,7 @@
     python docs/scripts/draw_trainer_data_flow.py --out flow.png  # any format matplotlib writes
 
 rollout -> trajectories -> advantages -> micro-batches -> scored log-probs -> loss, each stage with the module that
-owns it and the shape of what it hands on (B prompts, G samples per prompt, C completion tokens, K turns). The
+owns it (``trl_multiturn.trainer`` only wires them into TRL) and the shape of what it hands on (B prompts, G samples per prompt, C completion tokens, K turns). The
 stages and their wording live in ``STAGES`` below; docs/trainer.md shows the picture.
 """
 
@@ -24,16 +24,16 @@ STAGES: list[tuple[str, str, str]] = [
      "B*G Trajectory: prompt_ids, completion_ids (C,), action_mask (C,) 1 = sampled,\n"
      "logprobs (C,), turn_ids (C,), turn_rewards (K,); reward = env reward + reward_funcs"),
     ("advantages", "trl_multiturn.advantages",
-     "group-relative: A = (r - mean_G r) / (std_G r + eps), (B*G,) per trajectory\n"
+     "rollout_advantages: A = (r - mean_G r) / (std_G r + eps), (B*G,) per trajectory\n"
      "or per token (B*G, C) for turn-level credit (turn_advantage); failed or non-finite rewards leave the baseline"),
     ("micro-batches", "trl_multiturn.batching",
-     "whole groups shuffled -> mini-batches (one optimizer step each) -> micro-batches (gradient accumulation),\n"
-     "balanced by tokens; each carries its mini-batch's sequence and token counts over all ranks"),
-    ("scored log-probs", "trl_multiturn.trainer",
-     "one forward per micro-batch (padded, packed or shared-prompt rows): log pi_theta of the sampled tokens (b, C);\n"
-     "log pi_old recomputed once per rollout in the same layout when it serves several optimizer steps"),
+     "shuffle_groups -> mini-batches (one optimizer step each) -> balanced_micro_batches (gradient accumulation),\n"
+     "balanced by tokens or cut to a token budget; attach_normalizers: its mini-batch's counts over all ranks"),
+    ("scored log-probs", "trl_multiturn.scoring",
+     "LayoutScorer: one forward per micro-batch in compact, packed or shared-prompt rows (trl_multiturn.layouts,\n"
+     "each checked once): log pi_theta of the sampled tokens (b, C); log pi_old scored the same way"),
     ("loss", "trl_multiturn.loss",
-     "ratio = exp(log pi_theta - log pi_old), clipped to [1 - eps_low, 1 + eps_high], times A, on action-mask tokens;\n"
+     "grpo_loss: ratio = exp(log pi_theta - log pi_old), clipped to [1 - eps_low, 1 + eps_high], times A, + beta KL;\n"
      "aggregated by loss_aggregation (default: per-trajectory N_g) -> backward; optimizer step per mini-batch"),
 ]
 

@@ -1,0 +1,236 @@
+"""Scoring a micro-batch: the log-probs (and entropies) of its completion tokens, ``(B, C)``, in the forward layout
+that computes the fewest tokens.
+
+:class:`LayoutScorer` picks, per micro-batch, one of the layouts of ``trl_multiturn.layouts``: the shared-prompt row
+(``share_prompt_prefix``, when a prompt repeats), packed rows (``pack_sequences``, two rows or more) or compact rows
+(``compact_padding``); TRL's own ``[left-padded prompt | right-padded completion]`` forward is the trainer's fallback
+when :meth:`LayoutScorer.applies` says no. Every layout gives the log-probs of the compact rows up to float error on a
+model whose attention is the plain causal one; :meth:`LayoutScorer.verify_once` checks that once per layout on the
+model being trained (both forwards without gradient or dropout) and turns a layout off, with a warning, when it
+does not hold. The verdict is collective: every rank gathers the errors and gets the same verdict, so all ranks
+train with the same layout (under ZeRO-3 or FSDP every forward gathers weights from every rank, so the checks also
+run at the same point on every rank: :meth:`LayoutScorer.check_rollout`).
+
+pi_old and the training pass go through the same scorer, so a fresh ratio ``pi / pi_old`` is exactly 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+
+from .batching import first_fit_decreasing
+from .layouts import (
+    compact_rows, pack_rows, prompt_completion_contiguous, prompt_keys, read_completion_columns, read_packed,
+    shared_prompt_row, shares_prompts,
+)
+from .shared_attention import SharedAttentionUnused, SharedPromptPlan, install_shared_prompt_attention
+
+logger = logging.getLogger(__name__)
+
+#: the layouts with a one-time check, in the order their checks run; the scorer's attribute of each is its verdict
+CHECKED_LAYOUTS = ("packed", "shared")
+_FALLBACK_WARNINGS = {
+    "packed": "pack_sequences: packed and unpacked log-probs differ by %.2e (mean) on this model (its attention does "
+              "not isolate sequences by position ids); training without packing.",
+    "shared": "share_prompt_prefix: log-probs with each prompt computed once differ from the plain forward by %.2e "
+              "(mean) on this model (its attention has more than a causal mask: sliding window, soft-capping, sinks, "
+              "or it does not run through transformers' AttentionInterface); training without prompt sharing.",
+}
+
+
+def unwrap(model):
+    """The model inside DDP / DeepSpeed wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def full_attention(model) -> bool:
+    """Whether every layer of ``model`` has full causal attention (no sliding-window or linear-attention layers)."""
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    return all(t == "full_attention" for t in layer_types)
+
+
+def varlen_attention(model) -> bool:
+    """Whether the model's attention runs packed sequences as variable-length ones (flash-attention kernels)."""
+    implementation = str(getattr(getattr(unwrap(model), "config", None), "_attn_implementation", "") or "")
+    return "flash" in implementation
+
+
+class LayoutScorer:
+    """Per-token log-probs of completion tokens in the cheapest layout that the one-time checks allowed.
+
+    Attributes:
+        packed, shared: the verdicts of ``pack_sequences`` and ``share_prompt_prefix`` on this model: None until
+            checked, then True (used) or False (turned off).
+        checking: True while a one-time check runs its forwards (lets profilers tell them from training).
+    """
+
+    def __init__(self, accelerator, args):
+        self.accelerator, self.args = accelerator, args
+        self.packed: bool | None = None
+        self.shared: bool | None = None
+        self.checking = False
+
+    # ------------------------------------------------------------------ which layout
+    def applies(self, attention_mask: torch.Tensor, width: int, compute_aux_loss: bool, multimodal: dict) -> bool:
+        """Whether these rows go through the scorer: ``compact_padding`` is on, no MoE aux loss or multimodal input,
+        and every row's mask is ``[0* 1* | 1* 0*]`` (no holes)."""
+        return bool(self.args.compact_padding and not compute_aux_loss and all(v is None for v in multimodal.values())
+                    and prompt_completion_contiguous(attention_mask, width))
+
+    def sharing_planned(self) -> bool:
+        """Whether micro-batches can be planned for the shared-prompt forward (on, and its check passed)."""
+        return bool(self.args.share_prompt_prefix and self.args.compact_padding and self.shared)
+
+    def planned_layouts(self) -> tuple[bool, bool, bool]:
+        """``(compact, pack, share)``: the layouts the training forward may use (not turned off by a check)."""
+        compact = bool(self.args.compact_padding)
+        return (compact, compact and self.args.pack_sequences and self.packed is not False,
+                compact and self.args.share_prompt_prefix and self.shared is not False)
+
+    def _choose(self, model, input_ids, attention_mask, width, rows, keys, training) -> str:
+        if keys is not None and shares_prompts(keys) and self._verified("shared", model, input_ids, attention_mask,
+                                                                         width, keys, training):
+            return "shared"
+        if self.args.pack_sequences and rows.ids.size(0) >= 2 and self._verified(
+                "packed", model, input_ids, attention_mask, width, keys, training):
+            return "packed"  # a single row has nothing to pack (and pi_old and the loss must agree on every row)
+        return "compact"
+
+    def _verified(self, layout, model, input_ids, attention_mask, width, keys, training) -> bool:
+        """Whether ``layout`` passed its check. Before the first training rollout a single process checks on this
+        micro-batch (packing only in training); several processes wait for :meth:`check_rollout`."""
+        if getattr(self, layout) is None and self.accelerator.num_processes == 1 and (training or layout == "shared"):
+            self.verify_once(model, input_ids, attention_mask, width, keys, {layout})
+        return bool(getattr(self, layout))
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, model, input_ids, attention_mask, width, batch_size=None, compute_entropy=False, training=True):
+        """``(log-probs (B, C), entropies (B, C) or None)`` of the completion columns of rows in TRL's layout
+        (``input_ids``, ``attention_mask``: (B, P + C); ``width``: C), ``batch_size`` rows per forward; 0 where a
+        completion column is padding. ``training``: whether the policy is in training mode."""
+        batch_size = batch_size or input_ids.size(0)
+        sharing = bool(self.args.share_prompt_prefix) and self.shared is not False and width > 0
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]  # (b, P+C)
+            keys = prompt_keys(ids[:, :-width], mask[:, :-width]) if sharing else None
+            rows = compact_rows(ids, mask, width)
+            layout = self._choose(model, ids, mask, width, rows, keys, training)
+            try:
+                lp, ent = self._forward(layout, model, ids, mask, width, rows, keys, compute_entropy)  # (b, C)
+            except SharedAttentionUnused:
+                self.shared = False
+                logger.warning("share_prompt_prefix: the model's attention does not run through transformers' "
+                               "AttentionInterface (e.g. attn_implementation='eager'; use 'sdpa'); training without "
+                               "prompt sharing.")
+                layout = self._choose(model, ids, mask, width, rows, None, training)
+                lp, ent = self._forward(layout, model, ids, mask, width, rows, None, compute_entropy)  # (b, C)
+            logps.append(lp.masked_fill(~rows.valid, 0.0))
+            entropies.append(ent.masked_fill(~rows.valid, 0.0) if compute_entropy else None)
+        return torch.cat(logps, dim=0), (torch.cat(entropies, dim=0) if compute_entropy else None)
+
+    def _forward(self, layout, model, input_ids, attention_mask, width, rows, keys, compute_entropy):
+        """(b, C) log-probs and entropies (or None) of the completion columns, forwarded in ``layout``."""
+        if layout == "shared":
+            return self._shared_forward(model, input_ids, attention_mask, width, keys, compute_entropy)
+        if layout == "packed":
+            lengths = rows.mask.sum(1).tolist()
+            capacity = sum(lengths) if varlen_attention(model) else rows.ids.size(1)  # flash kernels: one row
+            packed = pack_rows(rows.ids, rows.labels, lengths, first_fit_decreasing(lengths, capacity))
+            with self.accelerator.autocast():
+                out = model(input_ids=packed.ids, position_ids=packed.positions, labels=packed.labels,
+                            fused_lm_head=True)
+            read = lambda values: read_completion_columns(read_packed(values, packed), rows.index)  # noqa: E731
+        else:
+            with self.accelerator.autocast():
+                out = model(input_ids=rows.ids, attention_mask=rows.mask, labels=rows.labels, fused_lm_head=True)
+            read = lambda values: read_completion_columns(values, rows.index)  # noqa: E731
+        return read(out.log_probs), (read(out.entropy) if compute_entropy else None)
+
+    def _shared_forward(self, model, input_ids, attention_mask, width, keys, compute_entropy):
+        """The shared-prompt row through the model, its attention run by ``trl_multiturn.shared_attention``; raises
+        :class:`SharedAttentionUnused` when the model's layers did not call it."""
+        row = shared_prompt_row(input_ids, attention_mask, width, keys)
+        plan = SharedPromptPlan(row.segments)
+        base = unwrap(self.accelerator.unwrap_model(model))
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        install_shared_prompt_attention(base.config.get_text_config()._attn_implementation)
+        # a 4-D mask is taken as prepared by transformers' mask functions (no (L, L) mask is built); the attention
+        # ignores it and uses the plan
+        no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+        with self.accelerator.autocast():
+            out = model(input_ids=row.ids, attention_mask=no_mask, position_ids=row.positions, labels=row.labels,
+                        fused_lm_head=True, shared_prompt_plan=plan)
+        if plan.calls == 0:
+            raise SharedAttentionUnused
+        return out.log_probs[0][row.cols], (out.entropy[0][row.cols] if compute_entropy else None)  # (b, C)
+
+    # ------------------------------------------------------------------ the one-time checks
+    def check_rollout(self, model, batch: dict) -> None:
+        """The one-time checks of the layouts still unchecked, on every rank at the same point (after the first
+        training rollout) with the same forwards. Each rank checks rows of its own rollout: the first prompt that
+        repeats (up to 4 of its rows), or its first row twice, which repeats its prompt too."""
+        a = self.args
+        wanted = {"packed": a.pack_sequences, "shared": a.share_prompt_prefix}
+        layouts = {name for name, on in wanted.items() if a.compact_padding and on and getattr(self, name) is None}
+        if not layouts:
+            return
+        keys = prompt_keys(batch["prompt_ids"], batch["prompt_mask"])
+        repeated = next((k for k, n in Counter(keys).items() if n > 1), None)
+        rows = [i for i, k in enumerate(keys) if k == repeated][:4] if repeated is not None else [0, 0]
+        index = torch.tensor(rows, device=batch["prompt_ids"].device)
+        input_ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], dim=1)  # (b, P+C)
+        attention_mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], dim=1)  # (b, P+C)
+        width = batch["completion_ids"].size(1)
+        # The rollout's rows are always contiguous, so every rank runs the same forwards; elsewhere a rank agrees.
+        self.verify_once(model, input_ids, attention_mask, width, [keys[i] for i in rows], layouts,
+                         run=prompt_completion_contiguous(attention_mask, width))
+
+    def verify_once(self, model, input_ids, attention_mask, width, keys, layouts: set[str], run: bool = True) -> None:
+        """The equivalence check of every layout in ``layouts`` against compact rows, on these rows, and its verdict.
+        Collective: every rank calls it with the same ``layouts`` (``run=False``: this rank has no rows to check and
+        agrees); the verdict comes from the largest error against its tolerance over all ranks."""
+        if "shared" in layouts and not full_attention(self.accelerator.unwrap_model(model)):
+            self.shared = False  # sliding-window / linear-attention layers: never shared (the same on every rank)
+            layouts = layouts - {"shared"}
+        if not layouts:
+            return
+        mine = [self._layout_error(name, model, input_ids, attention_mask, width, keys)
+                if run and name in layouts else (0.0, 1.0) for name in CHECKED_LAYOUTS]  # (error, tolerance) each
+        acc = self.accelerator
+        table = acc.gather(torch.tensor([mine], dtype=torch.float64, device=acc.device))  # (ranks, layouts, 2)
+        worst = (table[..., 0] / table[..., 1]).max(0).values.tolist()  # (layouts,) over ranks
+        error = table[..., 0].max(0).values.tolist()  # (layouts,)
+        for k, name in enumerate(CHECKED_LAYOUTS):
+            if name in layouts:
+                setattr(self, name, worst[k] < 1)
+                if not getattr(self, name):
+                    logger.warning(_FALLBACK_WARNINGS[name], error[k])
+
+    def _layout_error(self, layout, model, input_ids, attention_mask, width, keys) -> tuple[float, float]:
+        """(mean absolute log-prob difference between ``layout`` and compact rows, tolerance): both forwards without
+        gradient and dropout; infinite when the shared-prompt attention did not run. A leaking mask changes
+        log-probs by O(1)."""
+        rows = compact_rows(input_ids, attention_mask, width)
+        if not rows.valid.any():
+            return 0.0, 1.0
+        self.checking, was_training = True, model.training
+        model.eval()  # both forwards without dropout (LoRA / attention dropout would differ between them)
+        try:
+            with torch.no_grad():
+                plain, _ = self._forward("compact", model, input_ids, attention_mask, width, rows, keys, False)
+                try:
+                    other, _ = self._forward(layout, model, input_ids, attention_mask, width, rows, keys, False)
+                except SharedAttentionUnused:
+                    other = None
+        finally:
+            self.checking = False
+            model.train(was_training)
+        half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
+        error = float("inf") if other is None else float((plain - other)[rows.valid].abs().mean())
+        return error, (5e-2 if half else 1e-3)
