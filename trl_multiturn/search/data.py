@@ -22,7 +22,7 @@ import functools
 import json
 import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,6 +301,19 @@ def _add_doc(docs: list[Document], prefix: str, entity: _Entity, suffix: str, ti
         entity.doc_ids[r] = doc_id
 
 
+def _full_names(rng: random.Random, names: _NameMaker, n: int, family_syllables: tuple[int, ...]) -> Iterator[str]:
+    """``n`` unique "given family" names, drawn lazily (the caller's own draws interleave as they always did). Given
+    and family names are shared between people (namesakes are distractors); full names are unique."""
+    givens = [names.word(2) for _ in range(max(3, n // 3))]
+    families = [names.word(rng.choice(family_syllables)) for _ in range(max(3, n // 3))]
+    used: set[str] = set()
+    while len(used) < n:
+        full = f"{rng.choice(givens)} {rng.choice(families)}"
+        if full not in used:
+            used.add(full)
+            yield full
+
+
 def _build_world(
     rng: random.Random, names: _NameMaker, prefix: str, num_people: int
 ) -> tuple[list[_Entity], dict[str, list[_Entity]], list[Document]]:
@@ -334,15 +347,8 @@ def _build_world(
         k.facts["product"] = rng.choice(_PRODUCTS)
         companies.append(k)
 
-    # People share given and family names (similar names are distractors), full names are unique.
-    givens = [names.word(2) for _ in range(max(3, num_people // 3))]
-    families = [names.word(rng.choice((2, 2, 3))) for _ in range(max(3, num_people // 3))]
-    people, used = [], set()
-    while len(people) < num_people:
-        full = f"{rng.choice(givens)} {rng.choice(families)}"
-        if full in used:
-            continue
-        used.add(full)
+    people = []
+    for full in _full_names(rng, names, num_people, (2, 2, 3)):
         p = _Entity("person", full)
         p.facts["birth_city"] = rng.choice(cities)
         p.facts["employer"] = rng.choice(companies)

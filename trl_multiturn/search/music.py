@@ -25,6 +25,7 @@ from .data import (
     _a,
     _add_doc,
     _Entity,
+    _full_names,
     _NameMaker,
     build_generated_dataset,
 )
@@ -105,14 +106,8 @@ def _build_music_world(
         band.facts["home_town"] = rng.choice([t for t in towns if t is not band.facts["label_of"].facts["label_town"]])
         band.facts["genre"] = rng.choice(_GENRES)
         bands.append(band)
-    musicians, used = [], set()
-    firsts = [names.word(2) for _ in range(max(3, num_musicians // 3))]
-    lasts = [names.word(rng.choice((2, 3))) for _ in range(max(3, num_musicians // 3))]
-    while len(musicians) < num_musicians:
-        full = f"{rng.choice(firsts)} {rng.choice(lasts)}"
-        if full in used:
-            continue
-        used.add(full)
+    musicians = []
+    for full in _full_names(rng, names, num_musicians, (2, 3)):
         m = _Entity("musician", full)
         m.facts["band_of"] = rng.choice(bands)
         m.facts["instrument"] = rng.choice(_INSTRUMENTS)
