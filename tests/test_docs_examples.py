@@ -198,3 +198,42 @@ def test_readme_example_runs_smollm2(tmp_path, monkeypatch):
     token budgets (a model warm-started on 4 examples writes until the budget: the full one costs minutes)."""
     monkeypatch.chdir(tmp_path)
     _run_readme_example(readme_example({**README_SHORTER, **README_TINY}))
+
+
+def _execute_notebook(name: str, tmp_path, monkeypatch):
+    """Run docs/notebooks/<name> in a python3 kernel of this interpreter; returns (the notebook, its text outputs)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:
+        pytest.skip("no 'python3' Jupyter kernel is installed (pip install ipykernel)")
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    nb = nbformat.read(DOCS / "notebooks" / name, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=1200, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    return nb, _text_outputs(nb)
+
+
+def _text_outputs(nb) -> str:
+    return "".join(
+        out.get("text", "") + str(out.get("data", {}).get("text/plain", "")) + str(out.get("data", {}).get("text/html", ""))
+        for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
+    )
+
+
+@pytest.mark.slow  # SmolLM2 in a kernel subprocess, shortened: warm start on 8 experts, 4 questions, 1 GRPO step
+def test_search_agent_notebook_executes_on_smollm2(tmp_path, monkeypatch, smollm2_dir):
+    import nbformat
+
+    committed = _text_outputs(nbformat.read(DOCS / "notebooks" / "search_agent_smollm2.ipynb", as_version=4))
+    assert "setting: full" in committed and "after GRPO" in committed  # the committed outputs are the full run's
+    monkeypatch.setenv("TRL_MULTITURN_NOTEBOOK_SMALL", "1")
+    _, outputs = _execute_notebook("search_agent_smollm2.ipynb", tmp_path, monkeypatch)
+    assert "setting: small" in outputs
+    assert "warm start" in outputs and "after GRPO" in outputs and "ci_low" in outputs  # the tables
+    assert "policy (mask 1)" in outputs and "env    (mask 0)" in outputs and "background:#c8f7c5" in outputs
