@@ -129,27 +129,8 @@ def test_pg_loss_zero_script_fast(tmp_path):
 
 @pytest.mark.slow  # runs the notebook in a kernel subprocess: ~15 s
 def test_quickstart_notebook_executes(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
-    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
-
-    try:
-        KernelSpecManager().get_kernel_spec("python3")
-    except NoSuchKernel:
-        pytest.skip("no 'python3' Jupyter kernel is installed (pip install ipykernel)")
-    # the kernel spec launches `python`: make it this interpreter, whatever PATH the tests were started with
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    nb = nbformat.read(DOCS / "notebooks" / "quickstart.ipynb", as_version=4)
+    nb, outputs = _execute_notebook("quickstart.ipynb", tmp_path, monkeypatch)
     assert any("MultiTurnGRPOTrainer" in cell.source for cell in nb.cells if cell.cell_type == "code")
-    client = nbclient.NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    )
-    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
-    outputs = "".join(
-        out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
-        for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
-    )
     assert "loss/pg_loss" in outputs and "grad_norm" in outputs  # the metrics table was shown
     assert "policy (mask 1)" in outputs and "env    (mask 0)" in outputs  # and a trajectory with its mask
 
