@@ -140,3 +140,20 @@ def test_sampled_exact_match_rolls_out_k_samples_per_question(smollm2_tokenizer)
     assert out["summary"] == summarize(out["records"])
     with pytest.raises(ValueError, match="num_samples=1"):
         evaluate_search_agent(lm, tok, rows, AnswerEnv, num_samples=1)
+
+
+def test_answering_the_bridge_is_counted_and_old_records_still_summarize(smollm2_tokenizer):
+    """A 2-hop answer that is the bridge entity (one search short) is recorded as answered_bridge; summarize leaves
+    out a metric that some records lack instead of counting it as 0."""
+    tok = smollm2_tokenizer
+    lm = ScriptedLM([tok("<answer>Paris</answer>", add_special_tokens=False)["input_ids"]], len(tok), tok.eos_token_id)
+    rows = [{"id": "a", "question": "country of the capital city?", "golden_answers": ["France"], "hops": 2,
+             "bridge": "paris"},
+            {"id": "b", "question": "capital of France?", "golden_answers": ["Paris"], "hops": 1, "bridge": None},
+            {"id": "c", "question": "river of the city?", "golden_answers": ["Seine"], "hops": 2, "bridge": "Lyon"}]
+    out = evaluate_search_agent(lm, tok, rows, AnswerEnv, protocol=TagProtocol(), max_turns=1, max_completion_length=32,
+                                max_tokens_per_turn=16, batch_size=4, progress=False)
+    assert [r["answered_bridge"] for r in out["records"]] == [1.0, 0.0, 0.0]
+    assert out["summary"]["hops_2"]["answered_bridge"] == 0.5 and out["summary"]["hops_1"]["answered_bridge"] == 0.0
+    old = [{k: v for k, v in r.items() if k != "answered_bridge"} for r in out["records"][:2]] + out["records"][2:]
+    assert "answered_bridge" not in summarize(old)["all"] and summarize(old)["all"]["exact_match"] == 1 / 3

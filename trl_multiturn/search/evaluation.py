@@ -33,7 +33,7 @@ from ..protocols import TagProtocol
 from ..rollout import MultiTurnRollout, RolloutConfig
 from .rewards import exact_match, f1, substring_match
 
-METRICS = ("exact_match", "substring_match", "f1", "searches", "invalid_rate", "answered", "turns")
+METRICS = ("exact_match", "substring_match", "f1", "searches", "invalid_rate", "answered", "turns", "answered_bridge")
 
 
 def _record(row: dict, traj) -> dict[str, Any]:
@@ -52,6 +52,8 @@ def _record(row: dict, traj) -> dict[str, Any]:
         "invalid_rate": (sum(1 for a in actions if a == "invalid") / len(actions)) if actions else 0.0,
         "answered": float(answer is not None),
         "turns": traj.num_turns,
+        # the typical 2-hop failure: the answer is the intermediate entity (a search short), e.g. the city, not its country
+        "answered_bridge": exact_match(answer, [row["bridge"]]) if row.get("bridge") else 0.0,
         "answer": answer,
         "stop_reason": traj.info.get("stop_reason"),
     }
@@ -69,10 +71,9 @@ def _subsets(records: Sequence[Any], hops=lambda r: r["hops"]) -> dict[str, list
 
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
     """Mean of each metric overall (``all``) and per hop count (``hops_1``, ``hops_2``, ...), with counts ``n``;
-    ``sampled_exact_match`` too when every record has it."""
-    sampled = bool(records) and all("sampled_exact_match" in r for r in records)
-    metrics = METRICS + (("sampled_exact_match",) if sampled else ())
-    return {
+    ``sampled_exact_match`` (and any other metric) only when every record has it."""
+    metrics = [m for m in (*METRICS, "sampled_exact_match") if records and all(m in r for r in records)]
+    return {  # a metric the records lack (sampling not asked for, records from an older version) is left out
         name: {"n": len(rs), **{m: sum(r[m] for r in rs) / len(rs) for m in metrics}}
         for name, rs in _subsets(records).items()
         if rs
