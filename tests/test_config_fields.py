@@ -130,6 +130,14 @@ def test_honored_values_are_accepted(tmp_path):
     assert (cfg.delta, cfg.importance_sampling_level) == (1.5, "sequence")
 
 
+def test_template_check_takes_warn_error_or_off(tmp_path):
+    """``template_check`` (this package's own field; the check is tested in tests/test_templates.py)."""
+    assert config(tmp_path).template_check == "warn"
+    assert config(tmp_path, template_check="off").template_check == "off"
+    with pytest.raises(ValueError, match="template_check='ignore' is not valid; use 'warn', 'error' or 'off'"):
+        config(tmp_path, template_check="ignore")
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from typing import Any, Callable
 
 from .config import MultiTurnGRPOConfig, check_trl_fields
 from .protocols import ChatToolProtocol, Protocol, TagProtocol
+from .templates import TemplateCheck, check_template_prefix
 from .trl_compat import TRLEnvironmentAdapter, is_trl_environment
 
 logger = logging.getLogger(__name__)
@@ -135,6 +137,43 @@ def reward_functions(reward_funcs, args) -> tuple[list[Callable], MultiTurnGRPOC
         args = copy.copy(args)
         args.reward_weights = list(args.reward_weights) + [1.0]
     return funcs, args
+
+
+def check_protocol(protocol: Protocol, tokenizer, template_check: str = "warn") -> None:
+    """The protocol validated against the tokenizer, then the chat template's prefix property
+    (:func:`~trl_multiturn.templates.check_template_prefix`; it applies to protocols that render turns through the
+    template) as ``template_check`` says: 'warn', 'error' or 'off'. A protocol that refuses the template gets the
+    template's first prefix break added to its error, which is often why it refuses (Qwen3's own template)."""
+    try:
+        protocol.validate(tokenizer)
+    except ValueError as exc:
+        found = _prefix_break(protocol, tokenizer) if template_check != "off" else None
+        if found is None:
+            raise
+        raise ValueError(f"{exc}\n{found.explain()}") from exc
+    if template_check == "off":
+        return
+    result = check_template_prefix(tokenizer, protocol)
+    if result.keeps_prefix:
+        return
+    message = (
+        f"{result.explain()}\nThe single-sequence layout trains turn {result.turn} and later on a context the deployed "
+        "model will not see: deployed, it is given the template's rendering. Per-turn rows (each turn trained on its "
+        "own context as the template renders it) are planned (issue 19); until then use a chat template that keeps "
+        "earlier assistant turns as they were sampled, or set template_check='off' to silence this check."
+    )
+    if template_check == "error":
+        raise ValueError(f"{message} (template_check='error'; 'warn' trains anyway.)")
+    warnings.warn(message, stacklevel=3)
+
+
+def _prefix_break(protocol: Protocol, tokenizer) -> TemplateCheck | None:
+    """The template's first prefix break, or None where it keeps the property or cannot render the probe at all."""
+    try:
+        result = check_template_prefix(tokenizer, protocol)
+    except Exception:  # diagnostic only: the protocol's own error is raised either way
+        return None
+    return None if result.keeps_prefix else result
 
 
 def check_aux_loss(aux_loss_enabled: bool, model, router_aux_loss_coef: float) -> None:

@@ -262,6 +262,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
     raise_on_env_error (`bool`, defaults to `False`): raise instead of recording a failed environment call.
     on_long_prompt (`str`, defaults to `"error"`): a prompt that does not fit the model's context raises ("error")
         or is dropped from the rollout and counted ("skip").
+    template_check (`str`, defaults to `"warn"`): when the chat template does not keep turn k a prefix of turn k+1,
+        warn ("warn"), raise ("error") or skip the check ("off").
 
     > Overridden default of GRPOConfig
 
@@ -321,6 +323,17 @@ class MultiTurnGRPOConfig(GRPOConfig):
         metadata={
             "help": "A prompt at least as long as the model's context: 'error' raises naming the example; 'skip' drops "
             "that trajectory from the loss and counts it in rollout/skipped_prompts."
+        },
+    )
+    template_check: str = field(
+        default="warn",
+        metadata={
+            "help": "At construction, for protocols that render turns through the chat template (ChatToolProtocol): "
+            "render a probe conversation and check that each turn's context, as the trainer builds it (one sequence "
+            "per trajectory), is what the template renders for the same messages, i.e. that turn k is a token prefix "
+            "of turn k+1. Thinking templates that drop earlier <think> blocks break it, and the model is then trained "
+            "on contexts it will not see deployed. 'warn' (default) warns naming the first difference; 'error' "
+            "raises; 'off' skips the check."
         },
     )
 
@@ -484,6 +497,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
             ("advantage_eps", self.advantage_eps >= 0 and math.isfinite(self.advantage_eps), "a number >= 0, e.g. 1e-6"),
             ("scale_rewards", self.scale_rewards in ("group", "batch", "none", True, False), "'group', 'batch' or 'none'"),
             ("on_long_prompt", self.on_long_prompt in ("error", "skip"), "'error' or 'skip'"),
+            ("template_check", self.template_check in ("warn", "error", "off"), "'warn', 'error' or 'off'"),
             ("max_dynamic_sampling_rounds", isinstance(self.max_dynamic_sampling_rounds, int)
              and self.max_dynamic_sampling_rounds >= 0, "an int >= 0, e.g. 4 (0: no refill; groups without signal still leave the loss)"),
         )

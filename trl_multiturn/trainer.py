@@ -42,8 +42,8 @@ from .advantages import rollout_advantages
 from .batching import attach_normalizers, balanced_micro_batches, chunk_normalizers, chunk_tokens, shuffle_groups
 from .checkpointing import AtomicCheckpointMixin
 from .checks import (
-    check_args, check_aux_loss, check_dynamic_sampling, check_sharded_generation, ensure_pad_token, resolve_environment,
-    reward_functions,
+    check_args, check_aux_loss, check_dynamic_sampling, check_protocol, check_sharded_generation, ensure_pad_token,
+    resolve_environment, reward_functions,
 )
 from .config import MultiTurnGRPOConfig
 from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_scored_rows, next_refill
@@ -132,7 +132,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         self._scorer = LayoutScorer(self.accelerator, self.args)
         self._defer_old_logps = False  # set while TRL scores a rollout: see _get_per_token_logps_and_entropies
         ensure_pad_token(self._tokenizer)
-        protocol.validate(self._tokenizer)
+        check_protocol(protocol, self._tokenizer, args.template_check)  # validate(), then the template check
         self.rollout = MultiTurnRollout(factory, protocol, self._tokenizer, RolloutConfig(
             max_turns=args.max_turns, max_completion_length=args.max_completion_length,
             max_tokens_per_turn=args.max_tokens_per_turn, env_timeout=args.env_timeout,
