@@ -113,3 +113,20 @@ def test_pages_show_the_committed_figures():
     # where users look for the offline default's plot
     search_agent = (DOCS / "search_agent.md").read_text()
     assert "`training_curves.png` has the GRPO optimizer step on its x axis" in search_agent
+
+
+def test_learning_proof_curve_matches_the_committed_records(tmp_path):
+    script = _load("plot_learning_proof")
+    assert _png_size(script.main(["--out", str(tmp_path)]))[0] > 800
+    seeds = script.load_points()
+    warm = json.loads((DOCS / "results" / "learning_proof" / "eval_warm_start.json").read_text())
+    for points in seeds.values():
+        assert points[0]["step"] == 0 and points[0]["summary"] == warm["summary"]
+        for p in points[1:]:
+            for key in ("all", "hops_1", "hops_2"):
+                q = p["paired"][key]
+                assert q["n"] == warm["summary"][key]["n"]  # paired on the same questions
+                assert q["b"] == pytest.approx(p["summary"][key]["exact_match"])
+                assert q["ci_low"] <= q["diff"] <= q["ci_high"]
+    assert seeds[0][1]["step"] == 4 and seeds[0][1]["paired"]["hops_2"]["diff"] == pytest.approx(-21 / 128)
+    assert "](images/learning_proof.png)" in (DOCS / "search_agent.md").read_text()

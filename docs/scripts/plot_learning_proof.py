@@ -1,0 +1,78 @@
+"""Draw the learning proof's held-out curve from the evaluation records in docs/results/learning_proof/.
+
+    python docs/scripts/plot_learning_proof.py                  # rewrite docs/images/learning_proof.png
+    python docs/scripts/plot_learning_proof.py --out /tmp/figs  # elsewhere
+
+Step 0 is the warm start (``eval_warm_start.json``); each ``grpo_seed<S>_eval_step<N>.json`` is seed S's adapter after
+N GRPO optimizer steps, evaluated greedily on the same 256 questions (128 1-hop, 128 2-hop). One panel per subset
+(overall, 1-hop, 2-hop): exact match per step and seed, with the paired bootstrap 95% interval of the difference to
+the warm start drawn around each point (``trl_multiturn.search.evaluation.compare_evaluations``, 10,000 resamples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1]
+RESULTS = DOCS / "results" / "learning_proof"
+IMAGES = DOCS / "images"
+SUBSETS = (("all", "overall"), ("hops_1", "1-hop"), ("hops_2", "2-hop"))
+
+
+def load_points(results: Path = RESULTS) -> dict[int, list[dict]]:
+    """Seed -> ``[{"step", "summary", "paired"}]`` sorted by step, step 0 being the warm start."""
+    from trl_multiturn.search.evaluation import compare_evaluations
+
+    warm = json.loads((results / "eval_warm_start.json").read_text())
+    seeds: dict[int, list[dict]] = {}
+    for path in sorted(results.glob("grpo_seed*_eval_step*.json")):
+        seed, step = map(int, re.fullmatch(r"grpo_seed(\d+)_eval_step(\d+)\.json", path.name).groups())
+        data = json.loads(path.read_text())
+        paired = compare_evaluations(warm["records"], data["records"], metrics=["exact_match"])["exact_match"]
+        seeds.setdefault(seed, [{"step": 0, "summary": warm["summary"], "paired": None}])
+        seeds[seed].append({"step": step, "summary": data["summary"], "paired": paired})
+    return {s: sorted(p, key=lambda p: p["step"]) for s, p in seeds.items()}
+
+
+def plot(seeds: dict[int, list[dict]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), sharey=True)
+    for ax, (key, label) in zip(axes, SUBSETS):
+        for seed, points in seeds.items():
+            steps = [p["step"] for p in points]
+            em = [p["summary"][key]["exact_match"] for p in points]
+            # the point is warm start + diff; its bar spans warm start + [ci_low, ci_high]
+            paired = [p["paired"][key] if p["paired"] else {"diff": 0.0, "ci_low": 0.0, "ci_high": 0.0} for p in points]
+            yerr = [[q["diff"] - q["ci_low"] for q in paired], [q["ci_high"] - q["diff"] for q in paired]]
+            ax.errorbar(steps, em, yerr=yerr, marker="o", capsize=3, label=f"seed {seed}")
+        ax.axhline(points[0]["summary"][key]["exact_match"], color="gray", linestyle=":", label="warm start")
+        ax.set_title(f"{label} (n={points[0]['summary'][key]['n']})")
+        ax.set_xlabel("GRPO optimizer step")
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("held-out exact match (greedy)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("learning_proof_grpo.yaml from the warm start; bars: paired 95% CI of the change (docs/results/learning_proof)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=IMAGES, help="Folder for learning_proof.png.")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return plot(load_points(), args.out / "learning_proof.png")
+
+
+if __name__ == "__main__":
+    print(main())
