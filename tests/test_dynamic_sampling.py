@@ -1,7 +1,9 @@
-"""Dynamic sampling: the pure decisions with hand-made numbers, then the refill and the cap through
-``trainer.train()`` on a tiny random model, with prompts whose groups always get equal rewards."""
+"""Dynamic sampling: the pure decisions with hand-made numbers, then the refill, the cap and the balance by a
+dataset column through ``trainer.train()`` on a tiny random model, with prompts whose groups always get equal
+rewards."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ from scripted import Recorder, logged
 from test_trainer import FeedbackEnv, make_args
 
 from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
-from trl_multiturn.dynamic_sampling import Selection, group_signal, merge_scored_rows, next_refill, refill_prompts
+from trl_multiturn.dynamic_sampling import (
+    Selection, group_signal, merge_scored_rows, next_refill, refill_prompts, refill_rows, stratum_quotas,
+)
 
 nan = float("nan")
 
@@ -65,6 +69,57 @@ def test_selection_keeps_the_quota_and_fills_from_dropped_groups():
     assert s.missing == 0 and s.surplus == 1 and s.rows(2)[1] == []
 
 
+def test_selection_with_strata_keeps_a_quota_per_value():
+    s = Selection(quota=4, strata={1: 2, 2: 2})
+    s.add_round(0, [None, None, None, "all_correct"], [1, 1, 1, 2])  # three 1-hop groups with signal: one too many
+    assert s.kept == [(0, 0), (0, 1)] and s.surplus == 1 and s.missing == 2
+    assert s.missing_values() == [2]
+    s.add_round(1, [None, "all_wrong", None, None], [2, 2, 1, 2])  # 2-hop groups 0 and 3 fill the 2-hop places
+    assert s.kept == [(0, 0), (0, 1), (1, 0), (1, 3)] and s.surplus == 2
+    assert s.missing == 0 and s.missing_values() == [] and dict(s.kept_by) == {1: 2, 2: 2}
+    assert dict(s.dropped) == {"all_correct": 1, "all_wrong": 1}
+    plain = Selection(quota=4)  # the same first round without strata keeps the three 1-hop groups
+    plain.add_round(0, [None, None, None, "all_correct"])
+    assert plain.kept == [(0, 0), (0, 1), (0, 2)] and plain.surplus == 0
+    with pytest.raises(ValueError, match="one value per group"):
+        s.add_round(2, [None])
+    with pytest.raises(ValueError, match="do not sum to quota=4"):
+        Selection(quota=4, strata={1: 1, 2: 2})
+
+
+def test_selection_with_strata_fills_the_cap_from_dropped_then_surplus_groups():
+    s = Selection(quota=4, strata={1: 2, 2: 2})
+    s.add_round(0, [None, None, None, "all_wrong"], [1, 1, 1, 2])  # no 2-hop group with signal, one 1-hop surplus
+    kept, filler = s.rows(group_size=2)
+    assert kept == [(0, [0, 1, 2, 3])]
+    assert filler == [(0, [6, 7, 4, 5])]  # the dropped group 3 first, then the surplus group 2
+
+
+def test_stratum_quotas_share_the_groups_equally():
+    assert stratum_quotas([1, 2, 1, 1], groups=4, column="hops") == {1: 2, 2: 2}  # in order of first appearance
+    assert stratum_quotas(["b", "a", "c"], groups=3, column="kind") == {"b": 1, "a": 1, "c": 1}
+    with pytest.raises(ValueError) as err:
+        stratum_quotas([1, 2, 1, 1, 3], groups=4, column="hops")
+    text = str(err.value)
+    assert "values [1, 2, 3] (rows per value: {1: 3, 2: 1, 3: 1})" in text
+    assert "holds 4 groups per rollout, not a multiple of 3" in text and "prompts_per_rollout" in text
+
+
+def test_refill_rows_draws_only_the_missing_values():
+    values = [1, 2, 1, 3, 2, 1, 1, 2]
+    rows = refill_rows((0, 5, 1, 0), 400, len(values), values, missing=[2])
+    assert {values[i] for i in rows} == {2} and set(rows) == {1, 4, 7}  # every 2-hop row, and only those
+    two = refill_rows((0, 5, 1, 0), 400, len(values), values, missing=[2, 3])
+    assert set(two) == {1, 3, 4, 7}
+    assert refill_rows((0, 5, 1, 0), 400, len(values), values, missing=[2]) == rows  # seeded: a resume draws these
+    assert refill_rows((0, 5, 2, 0), 400, len(values), values, missing=[2]) != rows  # another round: other rows
+    # nothing missing (this rank is full) or no balance: every row, exactly the draw of the unbalanced trainer
+    gen = torch.Generator().manual_seed(hash((0, 5, 1, 0)) & (2**62 - 1))
+    expected = torch.randint(len(values), (400,), generator=gen).tolist()
+    assert refill_rows((0, 5, 1, 0), 400, len(values)) == expected
+    assert refill_rows((0, 5, 1, 0), 400, len(values), values, missing=[]) == expected
+
+
 def _scored(prompts, completions, adv, pad=0):
     """A scored batch as the trainer's scoring returns it: prompts left-, completions right-padded."""
     p_w = max(len(p) for p in prompts)
@@ -101,13 +156,15 @@ def toy_reward(completions, q, **kwargs):
     return out
 
 
-def toy_dataset(kinds):
-    return Dataset.from_dict({"q": [f"{k} question {i}" for i, k in enumerate(kinds)]})
+def toy_dataset(kinds, hops=None):
+    columns = {"q": [f"{k} question {i}" for i, k in enumerate(kinds)]}
+    return Dataset.from_dict(columns if hops is None else {**columns, "hops": hops})
 
 
-def _train(tmp_path, tokenizer, model, kinds, **overrides):
-    args = make_args(tmp_path, max_steps=1, dynamic_sampling=True, **overrides)
-    trainer = MultiTurnGRPOTrainer(model=model, args=args, train_dataset=toy_dataset(kinds),
+def _train(tmp_path, tokenizer, model, kinds, hops=None, **overrides):
+    overrides = {"dynamic_sampling": True, **overrides}
+    args = make_args(tmp_path, max_steps=1, **overrides)
+    trainer = MultiTurnGRPOTrainer(model=model, args=args, train_dataset=toy_dataset(kinds, hops),
                                    environment_factory=FeedbackEnv, reward_funcs=[toy_reward],
                                    processing_class=tokenizer)
     rec = Recorder(trainer)
@@ -186,6 +243,61 @@ def test_cap_hit_with_nothing_kept_skips_the_update(tmp_path, smollm2_tokenizer,
     assert logged(trainer, "rollout/dynamic_sampling/groups_filler") == [2]
     assert float((merged[0]["tool_mask"] * merged[0]["completion_mask"]).sum()) == 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # Adam's update skipped
+
+
+def _row(tokenizer, prompt_ids) -> int:
+    """The dataset row a prompt came from ("<kind> question <row>")."""
+    return int(re.search(r"question (\d+)", tokenizer.decode(prompt_ids, skip_special_tokens=True)).group(1))
+
+
+def test_balance_keeps_as_many_groups_of_each_value(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    # every 1-hop prompt carries signal, one 2-hop prompt of two does: unbalanced, the first round keeps 1-hop only
+    kinds = ["live"] * 6 + ["live", "hard"]
+    hops = [1] * 6 + [2, 2]
+    for seed in range(20):  # the first seed whose first round draws two 1-hop prompts
+        trainer, rec, merged = _train(tmp_path, smollm2_tokenizer, tiny_model_factory(), kinds, hops, seed=seed,
+                                      max_dynamic_sampling_rounds=20)
+        if [hops[_row(smollm2_tokenizer, t.prompt_ids)] for t in rec.rollouts[0][::4]] == [1, 1]:
+            break
+    rows = [_row(smollm2_tokenizer, p[m.bool()]) for p, m in zip(merged[0]["prompt_ids"], merged[0]["prompt_mask"])]
+    assert [hops[r] for r in rows] == [1] * 8 and len(rec.batches) == 1  # without the option: two 1-hop groups
+
+    trainer, rec, merged = _train(tmp_path, smollm2_tokenizer, tiny_model_factory(), kinds, hops, seed=seed,
+                                  max_dynamic_sampling_rounds=20, dynamic_sampling_balance="hops")
+    first = [_row(smollm2_tokenizer, t.prompt_ids) for t in rec.rollouts[0][::4]]
+    assert [hops[r] for r in first] == [1, 1]  # the same first round (the same seed) ...
+    refills = [_row(smollm2_tokenizer, t.prompt_ids) for trajs in rec.rollouts[1:] for t in trajs[::4]]
+    assert refills and {hops[r] for r in refills} == {2}  # ... then refill rounds draw 2-hop prompts only
+    rows = [_row(smollm2_tokenizer, p[m.bool()]) for p, m in zip(merged[0]["prompt_ids"], merged[0]["prompt_mask"])]
+    assert sorted(hops[r] for r in rows) == [1] * 4 + [2] * 4 and 6 in rows  # one group each; the live 2-hop one
+    assert bool(((merged[0]["tool_mask"] * merged[0]["completion_mask"]).sum(1) > 0).all())  # both carry loss
+    assert logged(trainer, "rollout/dynamic_sampling/kept_hops_1") == [1]
+    assert logged(trainer, "rollout/dynamic_sampling/kept_hops_2") == [1]
+    assert logged(trainer, "rollout/dynamic_sampling/groups_kept") == [2]
+    # surplus: the second 1-hop group of the first round, and every live 2-hop group after the first
+    assert logged(trainer, "rollout/dynamic_sampling/groups_surplus") == [1 + (refills.count(6) - 1)]
+    assert logged(trainer, "rollout/dynamic_sampling/groups_filler") == [0]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(dynamic_sampling_balance="level"), r"dynamic_sampling_balance='level' is not a column of train_dataset, "
+                                                 r"which has \['q', 'hops'\]"),
+        (dict(dynamic_sampling=False, dynamic_sampling_balance="hops"),
+         "dynamic_sampling_balance='hops' balances the groups that dynamic sampling keeps, but dynamic_sampling=False"),
+        (dict(dynamic_sampling_balance="hops", prompts_per_rollout=3, mini_batch_size=12, micro_batch_size=4),
+         r"values \[1, 2\] \(rows per value: \{1: 2, 2: 2\}\) and a device holds 3 groups per rollout, not a "
+         r"multiple of 2"),
+    ],
+)
+def test_balance_is_refused_where_it_cannot_work(tmp_path, smollm2_tokenizer, tiny_model_factory, overrides,
+                                                 message):
+    args = make_args(tmp_path, max_steps=1, **{"dynamic_sampling": True, **overrides})
+    with pytest.raises(ValueError, match=message):
+        MultiTurnGRPOTrainer(model=tiny_model_factory(), args=args, environment_factory=FeedbackEnv,
+                             train_dataset=toy_dataset(["live"] * 4, hops=[1, 2, 1, 2]), reward_funcs=[toy_reward],
+                             processing_class=smollm2_tokenizer)
 
 
 def test_config_checks_the_cap(tmp_path):

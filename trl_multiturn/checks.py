@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Callable
 
 from .config import MultiTurnGRPOConfig, check_trl_fields
+from .dynamic_sampling import stratum_quotas
 from .protocols import ChatToolProtocol, Protocol, TagProtocol
 from .templates import TemplateCheck, check_template_prefix
 from .trl_compat import TRLEnvironmentAdapter, is_trl_environment
@@ -208,3 +209,28 @@ def check_dynamic_sampling(rows: int, group_size: int, dataset) -> None:
             f"dynamic_sampling draws refill prompts by index, but train_dataset is a {type(dataset).__name__} "
             "without len()/indexing. Pass a map-style dataset or set dynamic_sampling=False."
         )
+
+
+def dynamic_sampling_balance(args, dataset) -> tuple[list | None, dict | None]:
+    """``dynamic_sampling_balance``, checked when the trainer is built: the column's value of every row of
+    ``train_dataset`` and the groups each value keeps per rank and rollout (``stratum_quotas``); ``(None, None)``
+    when it is not set. Refused without ``dynamic_sampling``, for a column the dataset lacks, and for groups per rank
+    that the column's values do not divide."""
+    column = args.dynamic_sampling_balance
+    if column is None:
+        return None, None
+    if not args.dynamic_sampling:
+        raise ValueError(
+            f"dynamic_sampling_balance={column!r} balances the groups that dynamic sampling keeps, but "
+            "dynamic_sampling=False. Set dynamic_sampling=True, or dynamic_sampling_balance=None."
+        )
+    rows = args.per_device_train_batch_size * args.steps_per_generation  # one rank's trajectories per rollout
+    check_dynamic_sampling(rows, args.num_generations, dataset)
+    columns = getattr(dataset, "column_names", None) or []
+    if column not in columns:
+        raise ValueError(
+            f"dynamic_sampling_balance={column!r} is not a column of train_dataset, which has {columns}. Name one of "
+            "its columns (e.g. 'hops'), or add it (dataset.add_column)."
+        )
+    values = list(dataset[column])
+    return values, stratum_quotas(values, rows // args.num_generations, column)

@@ -283,6 +283,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
 
     dynamic_sampling (`bool`, defaults to `False`): drop groups without reward variance and refill the rollout.
     max_dynamic_sampling_rounds (`int`, defaults to `4`): the most refill rounds per rollout.
+    dynamic_sampling_balance (`str` or `None`, defaults to `None`): a train_dataset column whose values keep equal
+        numbers of groups.
 
     > Parameters that control the batch plan (VeRL's knobs; all or none of the first three)
 
@@ -448,6 +450,17 @@ class MultiTurnGRPOConfig(GRPOConfig):
             "rollout's prompts, so a rollout samples at most (1 + this) x prompts_per_rollout prompts. When the cap "
             "is hit, the missing places are filled with dropped groups whose loss mask is 0: the loss and its "
             "normalizers are those of the kept trajectories."
+        },
+    )
+    dynamic_sampling_balance: str | None = field(
+        default=None,
+        metadata={
+            "help": "With dynamic_sampling: the name of a train_dataset column (e.g. 'hops'). Each rollout keeps the "
+            "same number of groups with reward variance for every value of that column (the groups per device, "
+            "prompts_per_rollout / processes, must be a multiple of the number of values); refill rounds draw "
+            "prompts only from the rows whose value still misses groups, and groups with signal of a value already "
+            "full are surplus. Logged as rollout/dynamic_sampling/kept_<column>_<value>. None: groups are kept "
+            "whatever their column values."
         },
     )
 

@@ -19,12 +19,19 @@ rate seen so far says are needed (at most one rollout's worth). As in DAPO, grou
 are discarded (counted as surplus). When the cap is hit DAPO's reference implementation keeps sampling or stops
 with an error; here the step trains on what was kept. Each rank fills its own share of groups. A group in which
 fewer than 2 members have a finite reward has no baseline and is dropped.
+
+With ``dynamic_sampling_balance`` (a column of the training set, e.g. "hops") each rank keeps the same number of
+groups with signal for every value of that column (:func:`stratum_quotas`); refill rounds draw only rows whose value
+still misses groups (:func:`refill_rows`), and groups with signal of a value already full are surplus. A surplus group
+may then fill an empty place when the cap is hit (loss mask 0, like a dropped group) where too few groups were
+dropped. Not in DAPO: it keeps one kind of prompt from outvoting another in the gradient.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -85,36 +92,84 @@ def next_refill(table: torch.Tensor, rounds_done: int, max_rounds: int, quota: i
     return refill_prompts(missing, int(table[:, 1].sum()), int(table[:, 0].sum()), quota)
 
 
+def stratum_quotas(values: Sequence[Hashable], groups: int, column: str) -> dict:
+    """Groups with signal each value of the balance column keeps per rank and rollout: ``groups`` (one rank's groups
+    per rollout) shared equally by the distinct ``values`` (the column's value of every training row), in the order
+    they first appear."""
+    counts = Counter(values)
+    if not counts or groups % len(counts):
+        raise ValueError(
+            f"dynamic_sampling_balance={column!r} keeps the same number of groups for each value of the column, but "
+            f"train_dataset has {len(counts)} values {list(counts)} (rows per value: {dict(counts)}) and a device "
+            f"holds {groups} groups per rollout, not a multiple of {len(counts)}. Set prompts_per_rollout to a "
+            f"multiple of {len(counts)} x the number of processes, or balance by another column."
+        )
+    return {value: groups // len(counts) for value in counts}
+
+
+def refill_rows(key: tuple[int, ...], prompts: int, size: int, row_values: Sequence[Hashable] | None = None,
+                missing: Collection[Hashable] = ()) -> list[int]:
+    """Rows of the training set (``size`` rows) for the next round's ``prompts`` prompts, drawn uniformly with
+    replacement by a generator seeded by ``key`` (seed, global step, round, rank), so a resumed run draws the same
+    ones. With ``row_values`` (the balance column's value of every row) only rows whose value is in ``missing`` are
+    drawn; with nothing missing (this rank is full, another is not) every row is."""
+    pool: Sequence[int] = range(size)
+    if row_values is not None and missing:
+        pool = [i for i, value in enumerate(row_values) if value in missing]
+    gen = torch.Generator().manual_seed(hash(key) & (2**62 - 1))
+    return [pool[i] for i in torch.randint(len(pool), (prompts,), generator=gen).tolist()]
+
+
 @dataclass
 class Selection:
-    """The groups chosen for one rank's rollout over the rounds: ``(round, group)`` pairs, in order."""
+    """The groups chosen for one rank's rollout over the rounds: ``(round, group)`` pairs, in order. With ``strata``
+    (value of the balance column -> groups to keep, summing to ``quota``) each value keeps at most its own quota."""
 
     quota: int
+    strata: dict | None = None
     kept: list[tuple[int, int]] = field(default_factory=list)  # groups with signal, at most ``quota``
     spare: list[tuple[int, int]] = field(default_factory=list)  # groups without signal, to fill when the cap is hit
-    surplus: int = 0  # groups with signal that found no place
+    unplaced: list[tuple[int, int]] = field(default_factory=list)  # groups with signal that found no place
     dropped: Counter = field(default_factory=Counter)  # reason -> groups
+    kept_by: Counter = field(default_factory=Counter)  # value of the balance column (None without) -> kept groups
+
+    def __post_init__(self):
+        if self.strata is not None and sum(self.strata.values()) != self.quota:
+            raise ValueError(f"Selection: the strata quotas {self.strata} do not sum to quota={self.quota}.")
 
     @property
     def missing(self) -> int:
         return self.quota - len(self.kept)
 
-    def add_round(self, round_index: int, reasons: list[str | None]) -> None:
-        """Record one round's groups (``reasons`` from :func:`group_signal`, for this rank's groups)."""
+    @property
+    def surplus(self) -> int:
+        return len(self.unplaced)
+
+    def missing_values(self) -> list[Hashable]:
+        """The values of the balance column that still miss groups (none without ``strata``)."""
+        return [value for value, quota in (self.strata or {}).items() if self.kept_by[value] < quota]
+
+    def add_round(self, round_index: int, reasons: list[str | None], values: list[Hashable] | None = None) -> None:
+        """Record one round's groups (``reasons`` from :func:`group_signal`, for this rank's groups; ``values``: each
+        group's value of the balance column, needed with ``strata``)."""
+        if self.strata is not None and (values is None or len(values) != len(reasons)):
+            raise ValueError(f"Selection with strata needs one value per group; got {values} for {len(reasons)}.")
         for g, why in enumerate(reasons):
-            if why is None:
-                if len(self.kept) < self.quota:
-                    self.kept.append((round_index, g))
-                else:
-                    self.surplus += 1
-            else:
+            value = None if self.strata is None else values[g]
+            if why is not None:
                 self.dropped[why] += 1
                 self.spare.append((round_index, g))
+            elif self.kept_by[value] < (self.quota if self.strata is None else self.strata.get(value, 0)):
+                self.kept.append((round_index, g))
+                self.kept_by[value] += 1
+            else:
+                self.unplaced.append((round_index, g))
 
     def rows(self, group_size: int) -> tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]]]:
         """``(kept, filler)``: for each round, the rows of its scored batch to take, as ``[(round, rows)]``.
-        ``filler`` fills the places the kept groups left empty (cap hit), from the first dropped groups."""
-        filler = self.spare[: self.missing]
+        ``filler`` fills the places the kept groups left empty (cap hit), from the first dropped groups, then (with
+        ``strata``, where too few were dropped) from the surplus groups."""
+        filler = (self.spare + self.unplaced)[: self.missing]
 
         def by_round(groups):
             out: dict[int, list[int]] = {}

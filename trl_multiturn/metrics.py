@@ -159,12 +159,17 @@ def log_padding(metrics: dict, counts: list[tuple[int, int]], completion_tokens:
     metrics["perf/completion_token_frac"].append(float(totals[1] / processed))
 
 
-def log_dynamic_sampling(metrics: dict, counts: list[float], accelerator) -> None:
+def log_dynamic_sampling(metrics: dict, counts: list[float], accelerator, column: str | None = None,
+                         kept_by: dict | None = None) -> None:
     """``rollout/dynamic_sampling/*`` from this process's ``counts`` (prompts sampled, groups kept, surplus, filler,
-    rounds, then the groups dropped for each of ``DROP_REASONS``), summed over processes (rounds: averaged)."""
-    totals = accelerator.reduce(torch.tensor(counts, dtype=torch.float64, device=accelerator.device), reduction="sum")
+    rounds, then the groups dropped for each of ``DROP_REASONS``) and, with ``dynamic_sampling_balance=column``, the
+    groups kept for each value (``kept_by``: value -> groups, the same values in the same order on every process),
+    summed over processes (rounds: averaged)."""
+    kept_by = kept_by or {}
+    local = list(counts) + list(kept_by.values())
+    totals = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), reduction="sum")
     names = ["prompts_sampled", "groups_kept", "groups_surplus", "groups_filler", "rounds"] + [
-        f"groups_dropped_{why}" for why in DROP_REASONS]
+        f"groups_dropped_{why}" for why in DROP_REASONS] + [f"kept_{column}_{value}" for value in kept_by]
     for name, value in zip(names, totals.tolist()):
         value = value / accelerator.num_processes if name == "rounds" else value  # rounds: the same on every rank
         metrics[f"rollout/dynamic_sampling/{name}"].append(value)

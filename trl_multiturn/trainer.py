@@ -42,11 +42,11 @@ from .advantages import rollout_advantages
 from .batching import attach_normalizers, balanced_micro_batches, chunk_normalizers, chunk_tokens, shuffle_groups
 from .checkpointing import AtomicCheckpointMixin
 from .checks import (
-    check_args, check_aux_loss, check_dynamic_sampling, check_protocol, check_sharded_generation, ensure_pad_token,
-    resolve_environment, reward_functions,
+    check_args, check_aux_loss, check_dynamic_sampling, check_protocol, check_sharded_generation,
+    dynamic_sampling_balance, ensure_pad_token, resolve_environment, reward_functions,
 )
 from .config import MultiTurnGRPOConfig
-from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_scored_rows, next_refill
+from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_scored_rows, next_refill, refill_rows
 from .generation import SamplingParams, TransformersGenerator, VLLMGenerator
 from .loss import grpo_loss, loss_normalizers, sampler_learner_gap
 from .protocols import Protocol
@@ -126,6 +126,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         )
         check_sharded_generation(args, DistributedBackend(self.accelerator))
         check_aux_loss(self.aux_loss_enabled, self.model, self.router_aux_loss_coef)
+        self._balance_values, self._balance_quotas = dynamic_sampling_balance(args, self.train_dataset)
         # TRL decides truncation by "last token is not EOS", which is wrong for tag protocols (a turn ends at
         # </answer>); the rollout knows which trajectories hit a limit, so this trainer applies the mask itself.
         self._mask_truncated, self.mask_truncated_completions = bool(args.mask_truncated_completions), False
@@ -296,26 +297,28 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def _dynamic_sampling_rollout(self, inputs: list[dict]) -> dict:
         """``dynamic_sampling``: score rounds of rollouts until every rank holds its share of groups with reward
-        variance (at most ``max_dynamic_sampling_rounds`` refill rounds, every rank the same number, each rolling out
-        the same number of prompts), then one scored batch of the kept groups; places still empty are filled with
-        dropped groups whose loss mask is 0 (see trl_multiturn.dynamic_sampling). Refill prompts are drawn from
-        ``train_dataset`` with a generator seeded by (seed, global step, round, rank), so a resumed run draws the
+        variance (with ``dynamic_sampling_balance``, its share for each value of that column), at most
+        ``max_dynamic_sampling_rounds`` refill rounds, every rank the same number, each rolling out the same number of
+        prompts; then one scored batch of the kept groups, places still empty filled with dropped groups whose loss
+        mask is 0 (see trl_multiturn.dynamic_sampling). Refill prompts are drawn from ``train_dataset`` (from the
+        values still missing) with a generator seeded by (seed, global step, round, rank): a resumed run draws the
         same ones."""
         G, acc, dataset, n = self.num_generations, self.accelerator, self.train_dataset, len(inputs)
         check_dynamic_sampling(n, G, dataset)
-        selection, batches, rnd, sampled = Selection(quota=n // G), [], 0, 0
+        column, selection = self.args.dynamic_sampling_balance, Selection(quota=n // G, strata=self._balance_quotas)
+        batches, rnd, sampled = [], 0, 0
         while True:
             batches.append(self._generate_and_score_completions(inputs))
             start, sampled = acc.process_index * len(inputs), sampled + len(inputs) // G
-            selection.add_round(rnd, group_signal(self._last_rewards[start : start + len(inputs)].cpu(), G))
+            values = None if column is None else [row[column] for row in inputs[::G]]  # each group's stratum
+            selection.add_round(rnd, group_signal(self._last_rewards[start : start + len(inputs)].cpu(), G), values)
             table = acc.gather(torch.tensor([[sampled, len(selection.kept), selection.missing]], device=acc.device))
             prompts = next_refill(table, rnd, self.args.max_dynamic_sampling_rounds, n // G)  # the same on every rank
             if not prompts:
                 break
             rnd += 1
-            gen = torch.Generator().manual_seed(hash((self.args.seed, self.state.global_step, rnd, acc.process_index))
-                                                & (2**62 - 1))
-            index = torch.randint(len(dataset), (prompts,), generator=gen).tolist()
+            key = (self.args.seed, self.state.global_step, rnd, acc.process_index)
+            index = refill_rows(key, prompts, len(dataset), self._balance_values, selection.missing_values())
             inputs = [dataset[i] for i in index for _ in range(G)]
         kept, filler = selection.rows(G)
         batch = merge_scored_rows([(batches[r], rows, True) for r, rows in kept]
@@ -324,7 +327,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         batch["num_items_in_batch"] = acc.reduce(batch["completion_mask"].sum(), reduction="sum")
         self._rollout_all_dropped = int(loss_tokens) == 0
         counts = [sampled, len(selection.kept), selection.surplus, sum(len(rows) for _, rows in filler) // G, rnd]
-        metrics.log_dynamic_sampling(self._metrics["train"], counts + [selection.dropped[w] for w in DROP_REASONS], acc)
+        metrics.log_dynamic_sampling(self._metrics["train"], counts + [selection.dropped[w] for w in DROP_REASONS], acc,
+                                     column, {v: selection.kept_by[v] for v in selection.strata or {}})
         return batch
 
     def _score_old_logps(self, chunks: list[dict]) -> None:
