@@ -331,6 +331,9 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
     peft_config = get_peft_config(model_args)
     protocol = TagProtocol(max_observation_tokens=training_args.max_observation_tokens)
 
+    if script_args.merge_adapter and not (model_args.use_peft or script_args.init_adapter):
+        raise ValueError("--merge_adapter true needs an adapter to merge: add --use_peft true (or --init_adapter); a "
+                         "full fine-tune (--use_peft false) is saved whole in output_dir/model.")
     if not (script_args.grpo or script_args.init_adapter or warm_start_enabled(script_args, model)):
         raise ValueError("--grpo false with --warm_start off trains nothing. To evaluate the base model run "
                          "recipes/evaluate_search_agent.py; to train, drop --grpo false or set --warm_start on.")
@@ -454,7 +457,7 @@ def save_and_publish(model, tokenizer, base_path, out_dir, results, plot, script
     else:
         adapter_dir = save_adapter(model, tokenizer, out_dir / "adapter", card=card)
         print(f"adapter and model card saved to {adapter_dir}", flush=True)
-    if script_args.merge_adapter and isinstance(model, PeftModel):
+    if script_args.merge_adapter:
         merge_and_save(model, tokenizer, out_dir / "merged")
     if push:
         url = push_to_hub(adapter_dir, training_args.hub_model_id, private=bool(training_args.hub_private_repo),

@@ -128,6 +128,9 @@ def test_recipe_full_fine_tune_saves_the_model(tmp_path, tiny_model_dir):
     saved = AutoModelForCausalLM.from_pretrained(out / "model")
     assert saved.config.num_hidden_layers == 2 and "grpo" in (out / "model" / "README.md").read_text()
     assert not (out / "adapter").exists()
+    with pytest.raises(ValueError, match="--merge_adapter true needs an adapter"):
+        recipe.main(*parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--use_peft",
+                                    "false", "--merge_adapter", "true", *SMALL]))
 
 
 @pytest.mark.slow
