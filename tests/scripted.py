@@ -1,5 +1,6 @@
-"""Scripted policies for tests: a language model that writes a fixed script, a generator that replays texts, and a
-one-shot environment.
+"""Scripted policies for tests: a language model that writes a fixed script, a generator that replays texts, a
+one-shot environment, and two ChatML tool templates (``CHATML``; ``THINK_DROPPING``, which drops earlier ``<think>``
+blocks as thinking templates do).
 
 ``ScriptedLM`` is a real ``torch.nn.Module`` with the causal-LM call signature used by the generation loop. It
 puts all probability mass on the next token of a per-row script, chosen from the text it has generated since the
@@ -87,6 +88,44 @@ class ReplayGenerator:
             reason = self.finish_reason if len(cut) == len(ids) else "length"
             outs.append(GenerationOutput(ids=list(cut), logprobs=[-0.5] * len(cut), finish_reason=reason))
         return outs
+
+
+#: a ChatML tool template written out (DROP_THINK is replaced below): assistant messages with their tool calls, tool
+#: results as ``<tool_response>`` user messages
+_TEMPLATE = """
+{%- for message in messages %}
+  {%- set content = message.content if message.content is string else '' %}
+  {%- if message.role == 'assistant' %}
+    {%- if DROP_THINK and not loop.last and '</think>' in content %}
+      {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+    {%- endif %}
+    {{- '<|im_start|>assistant\\n' + content }}
+    {%- for call in message.tool_calls or [] %}
+      {%- set call = call.function if call.function else call %}
+      {{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' + (call.arguments | tojson) }}
+      {{- '}\\n</tool_call>' }}
+    {%- endfor %}
+    {{- '<|im_end|>\\n' }}
+  {%- elif message.role == 'tool' %}
+    {{- '<|im_start|>user\\n<tool_response>\\n' + content + '\\n</tool_response><|im_end|>\\n' }}
+  {%- else %}
+    {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+#: renders every assistant message as it was written: keeps the prefix property
+CHATML = _TEMPLATE.replace("DROP_THINK", "false")
+#: drops the ``<think>...</think>`` block of every assistant message but the last, as thinking templates do
+#: (DeepSeek-R1, QwQ; Qwen3 before the last user message)
+THINK_DROPPING = _TEMPLATE.replace("DROP_THINK", "true")
+
+
+def with_template(tokenizer, template: str):
+    """A copy of the shared tokenizer with another chat template."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    return tok
 
 
 class OneShotEnv:

@@ -1,18 +1,19 @@
 """The chat-template check (issue 19, item 3): does the template keep turn k a token prefix of turn k+1?
 
-Two templates are written here, the same ChatML tool template twice: ``CHATML`` renders every assistant message as
-it was written; ``THINK_DROPPING`` drops the ``<think>...</think>`` block of every assistant message but the last,
-as thinking templates do (DeepSeek-R1, QwQ; Qwen3 before the last user message). TRL's own ``qwen3.jinja`` is
-checked too, to pin what docs/trainer.md says about it.
+Two templates, written in ``scripted.py`` (the per-turn rollout tests use them too), are the same ChatML tool
+template twice: ``CHATML`` renders every assistant message as it was written; ``THINK_DROPPING`` drops the
+``<think>...</think>`` block of every assistant message but the last, as thinking templates do (DeepSeek-R1, QwQ;
+Qwen3 before the last user message). TRL's own ``qwen3.jinja`` is checked too, to pin what docs/trainer.md says
+about it.
 """
 
-import copy
 import warnings
 from pathlib import Path
 
 import pytest
 import trl
 
+from scripted import CHATML, THINK_DROPPING, with_template
 from test_trainer import FeedbackEnv, dataset, make_args
 
 from trl_multiturn import MultiTurnGRPOTrainer
@@ -21,38 +22,7 @@ from trl_multiturn.models import tool_chat_template
 from trl_multiturn.protocols import ChatToolProtocol, TagProtocol
 from trl_multiturn.templates import check_template_prefix, probe_messages
 
-_TEMPLATE = """
-{%- for message in messages %}
-  {%- set content = message.content if message.content is string else '' %}
-  {%- if message.role == 'assistant' %}
-    {%- if DROP_THINK and not loop.last and '</think>' in content %}
-      {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-    {%- endif %}
-    {{- '<|im_start|>assistant\\n' + content }}
-    {%- for call in message.tool_calls or [] %}
-      {%- set call = call.function if call.function else call %}
-      {{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' + (call.arguments | tojson) }}
-      {{- '}\\n</tool_call>' }}
-    {%- endfor %}
-    {{- '<|im_end|>\\n' }}
-  {%- elif message.role == 'tool' %}
-    {{- '<|im_start|>user\\n<tool_response>\\n' + content + '\\n</tool_response><|im_end|>\\n' }}
-  {%- else %}
-    {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
-  {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
-CHATML = _TEMPLATE.replace("DROP_THINK", "false")
-THINK_DROPPING = _TEMPLATE.replace("DROP_THINK", "true")
 QWEN3 = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
-
-
-def with_template(tokenizer, template: str):
-    """A copy of the shared tokenizer with another chat template."""
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
-    return tok
 
 
 # ---------------------------------------------------------------------------------------------------- the check
@@ -106,7 +76,7 @@ def test_template_check_settings(smollm2_tokenizer):
         check_protocol(ChatToolProtocol(), tok, "warn")
     message = str(record[0].message)
     assert "trains turn 2 and later on a context the deployed model will not see" in message
-    assert "Per-turn rows" in message and "are planned" in message and "template_check='off'" in message
+    assert "turn_layout='per_turn'" in message and "template_check='off'" in message
     with pytest.raises(ValueError, match="template_check='error'"):
         check_protocol(ChatToolProtocol(), tok, "error")
     with warnings.catch_warnings():
@@ -143,7 +113,7 @@ def build(tmp_path, tokenizer, model, **overrides):
 
 def test_trainer_warns_for_a_think_dropping_template(tmp_path, smollm2_tokenizer, tiny_model_factory):
     tok = with_template(smollm2_tokenizer, THINK_DROPPING)
-    with pytest.warns(UserWarning, match=r"(?s)does not keep turn 1 a prefix of turn 2.*Per-turn rows"):
+    with pytest.warns(UserWarning, match=r"(?s)does not keep turn 1 a prefix of turn 2.*turn_layout='per_turn'"):
         build(tmp_path, tok, tiny_model_factory())
 
 

@@ -402,6 +402,29 @@ def test_qlora_step_with_kl_to_the_adapter_free_base(tmp_path, smollm2_tokenizer
     assert any(not torch.equal(v, after[k]) for k, v in lora_before.items())
 
 
+def test_kl_of_a_pretrained_adapter_is_taken_to_a_frozen_copy_of_it(tmp_path, smollm2_tokenizer, tiny_model_factory):
+    """Training a given adapter (a warm start) with beta > 0: the reference is a frozen copy of that adapter made at
+    construction (TRL's "ref" adapter), not the base model. The first rollout's KL is then 0 although the adapter is
+    far from the base, and the reference stays where the adapter started while the adapter moves."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model_factory(hidden_size=32, num_layers=2, seed=0),
+                           LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    trainer = MultiTurnGRPOTrainer(
+        model=model, args=make_args(tmp_path, max_steps=2, beta=0.1), train_dataset=dataset(),
+        environment_factory=FeedbackEnv, reward_funcs=[vowel_reward], processing_class=smollm2_tokenizer,
+    )
+    assert trainer.ref_model is None and "ref" in trainer.model.peft_config
+    start = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if ".default." in k}
+    trainer.train()
+    kl = logged(trainer, "loss/kl")
+    assert len(kl) == 2 and abs(kl[0]) < 1e-6 < kl[1], kl  # 0 against the copy, then > 0 once the adapter moved
+    params = dict(trainer.model.named_parameters())
+    for name, value in start.items():
+        torch.testing.assert_close(params[name.replace(".default.", ".ref.")], value)  # the reference did not move
+    assert any(not torch.equal(v, params[k]) for k, v in start.items())
+
+
 def _left_right_padded_batch(lengths, pad_id, seed=0):
     """TRL's training layout: prompts left-padded, completions right-padded. ``lengths`` = [(prompt, completion)]."""
     g = torch.Generator().manual_seed(seed)

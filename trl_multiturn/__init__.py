@@ -21,6 +21,8 @@ _LAZY = {
     "Environment": "trl_multiturn.environment",
     "TagProtocol": "trl_multiturn.protocols",
     "ChatToolProtocol": "trl_multiturn.protocols",
+    "keep_last_observations": "trl_multiturn.context",
+    "truncate_observations": "trl_multiturn.context",
     "MultiTurnGRPOConfig": "trl_multiturn.config",
     "MultiTurnGRPOTrainer": "trl_multiturn.trainer",
     "trajectory_from_messages": "trl_multiturn.sft",
@@ -57,6 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .advantages import group_advantages, turn_advantages
     from .batching import BatchPlan
     from .config import MultiTurnGRPOConfig
+    from .context import keep_last_observations, truncate_observations
     from .environment import Action, Environment, Step
     from .loss import aggregate_loss, policy_loss
     from .protocols import ChatToolProtocol, TagProtocol

@@ -429,7 +429,7 @@ def _cheapest_cut(order, keys, prompt_len, completion_len, budget) -> list[list[
 
 
 def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int | None = None,
-                            share_prefix: bool = False) -> list[dict]:
+                            share_prefix: bool = False, mini_batches: list[list[int]] | None = None) -> list[dict]:
     """Cut the rollout into ``steps`` micro-batches: consecutive mini-batches of equal size (whole groups kept by the
     shuffle), each dealt into ``accum`` micro-batches of balanced token counts and trimmed to their own padding.
 
@@ -444,16 +444,24 @@ def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int 
 
     Trimming is exact: prompts are left-padded and completions right-padded, so dropping all-padding columns changes
     no logit of a real token. Per-token tensors (B, C) are trimmed with the completions.
+
+    ``mini_batches``: the rows of each mini-batch, consecutive and in order (the per-turn layout, where a
+    mini-batch holds whole trajectories of varying row counts: :func:`trl_multiturn.turn_rows.trajectory_mini_batches`);
+    None: ``steps // accum`` equal consecutive slices.
     """
     n = batch["prompt_ids"].size(0)
-    if n % steps != 0:
-        raise ValueError(f"internal: rollout of {n} rows is not divisible into {steps} micro-batches")
-    per_mini = n // (steps // accum)
+    if mini_batches is None:
+        if n % steps != 0:
+            raise ValueError(f"internal: rollout of {n} rows is not divisible into {steps} micro-batches")
+        per_mini = n // (steps // accum)
+        mini_batches = [list(range(start, start + per_mini)) for start in range(0, n, per_mini)]
+    elif len(mini_batches) * accum != steps:
+        raise ValueError(f"internal: {len(mini_batches)} mini-batches x {accum} accumulation steps != {steps}")
     prompt_len = batch["prompt_mask"].sum(1)  # (B,)
     completion_len = batch["completion_mask"].sum(1)  # (B,)
     chunks = []
-    for start in range(0, n, per_mini):
-        rows = list(range(start, start + per_mini))
+    for rows in mini_batches:
+        start, per_mini = rows[0], len(rows)
         lengths = [int(prompt_len[r] + completion_len[r]) for r in rows]
         if max_tokens and share_prefix:
             keys = prompt_keys(batch["prompt_ids"][rows[0] : rows[-1] + 1], batch["prompt_mask"][rows[0] : rows[-1] + 1])
@@ -507,10 +515,12 @@ def shuffle_groups(batch: dict, group_size: int) -> dict:
 
 def chunk_normalizers(chunks: list[dict], device=None) -> torch.Tensor:
     """(chunks, 2) float64: each micro-batch's ``(sequences, tokens)`` that carry loss (:func:`loss_normalizers` of
-    ``completion_mask * tool_mask``), to be summed over ranks and handed to :func:`attach_normalizers`."""
+    ``completion_mask * tool_mask``; in the per-turn layout, rows count as their share of a trajectory through
+    ``sequence_tokens``), to be summed over ranks and handed to :func:`attach_normalizers`."""
     local = torch.zeros(len(chunks), 2, dtype=torch.float64, device=device)  # (chunks, 2)
     for j, chunk in enumerate(chunks):
-        local[j, 0], local[j, 1] = loss_normalizers(chunk["completion_mask"] * chunk["tool_mask"])
+        mask = chunk["completion_mask"] * chunk["tool_mask"]  # (b, C)
+        local[j, 0], local[j, 1] = loss_normalizers(mask, chunk.get("sequence_tokens"))
     return local
 
 

@@ -124,10 +124,14 @@ def _check_columns(required: tuple[str, ...], environment: str, datasets: dict[s
             )
 
 
+def env_reward(completions, env_reward, **kwargs) -> list[float]:
+    """Reward function exposing the sum of the environment's per-turn rewards (NaN for a failed trajectory)."""
+    return [float(r) for r in env_reward]
+
+
 def reward_functions(reward_funcs, args) -> tuple[list[Callable], MultiTurnGRPOConfig]:
-    """The user's reward functions as a list, and the config with one weight more for the environment's reward
-    (weight 1, appended by the trainer after the user's functions); a copy, so the caller's config can build
-    another trainer."""
+    """The reward functions TRL gets, the user's then :func:`env_reward`, and the config with one weight more for the
+    environment's reward (weight 1); a copy, so the caller's config can build another trainer."""
     funcs = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs])
     if args.reward_weights is not None:
         if len(args.reward_weights) != len(funcs):
@@ -137,7 +141,7 @@ def reward_functions(reward_funcs, args) -> tuple[list[Callable], MultiTurnGRPOC
             )
         args = copy.copy(args)
         args.reward_weights = list(args.reward_weights) + [1.0]
-    return funcs, args
+    return funcs + [env_reward], args
 
 
 def check_protocol(protocol: Protocol, tokenizer, template_check: str = "warn") -> None:
@@ -159,9 +163,9 @@ def check_protocol(protocol: Protocol, tokenizer, template_check: str = "warn") 
         return
     message = (
         f"{result.explain()}\nThe single-sequence layout trains turn {result.turn} and later on a context the deployed "
-        "model will not see: deployed, it is given the template's rendering. Per-turn rows (each turn trained on its "
-        "own context as the template renders it) are planned (issue 19); until then use a chat template that keeps "
-        "earlier assistant turns as they were sampled, or set template_check='off' to silence this check."
+        "model will not see: deployed, it is given the template's rendering. Set turn_layout='per_turn' (each turn "
+        "generated from and trained on its own context as the template renders it), or use a chat template that "
+        "keeps earlier assistant turns as they were sampled, or set template_check='off' to silence this check."
     )
     if template_check == "error":
         raise ValueError(f"{message} (template_check='error'; 'warn' trains anyway.)")

@@ -264,6 +264,12 @@ class MultiTurnGRPOConfig(GRPOConfig):
         or is dropped from the rollout and counted ("skip").
     template_check (`str`, defaults to `"warn"`): when the chat template does not keep turn k a prefix of turn k+1,
         warn ("warn"), raise ("error") or skip the check ("off").
+    turn_layout (`str`, defaults to `"sequence"`): one training row per trajectory ("sequence") or one per turn, each
+        generated from and trained on its own rendered context ("per_turn").
+    keep_last_observations (`int` or `None`): per-turn context policy: observations older than the last N are
+        replaced by a placeholder. Needs `turn_layout="per_turn"`.
+    truncate_observations (`int` or `None`): per-turn context policy: observations but the latest are cut to M
+        tokens. Needs `turn_layout="per_turn"`.
 
     > Overridden default of GRPOConfig
 
@@ -336,6 +342,34 @@ class MultiTurnGRPOConfig(GRPOConfig):
             "of turn k+1. Thinking templates that drop earlier <think> blocks break it, and the model is then trained "
             "on contexts it will not see deployed. 'warn' (default) warns naming the first difference; 'error' "
             "raises; 'off' skips the check."
+        },
+    )
+
+    turn_layout: str = field(
+        default="sequence",
+        metadata={
+            "help": "'sequence' (default): a trajectory is one token sequence, each turn generated from the whole "
+            "sequence so far, and trained as one row; exact when the template keeps turn k a prefix of turn k+1 "
+            "(Search-R1's inline tags, ChatML). 'per_turn': each turn is generated from the conversation rendered as "
+            "the deployed model sees it (the chat template, after keep_last_observations / truncate_observations or "
+            "the trainer's context_fn) and trained as its own row, the context as prompt and the sampled ids as "
+            "completion; a trajectory keeps its weight in the loss whatever the number of rows (N_g counts its tokens "
+            "over all its rows). For thinking templates that drop earlier <think> blocks, and for context management."
+        },
+    )
+    keep_last_observations: int | None = field(
+        default=None,
+        metadata={
+            "help": "Context policy of turn_layout='per_turn': the observations older than the last N are replaced "
+            "by a short placeholder in the next turn's context (trl_multiturn.context.keep_last_observations). None: off."
+        },
+    )
+    truncate_observations: int | None = field(
+        default=None,
+        metadata={
+            "help": "Context policy of turn_layout='per_turn': every observation but the latest is cut to this many "
+            "tokens, with a visible marker, in the next turn's context (trl_multiturn.context.truncate_observations). "
+            "None: off."
         },
     )
 
@@ -511,6 +545,11 @@ class MultiTurnGRPOConfig(GRPOConfig):
             ("scale_rewards", self.scale_rewards in ("group", "batch", "none", True, False), "'group', 'batch' or 'none'"),
             ("on_long_prompt", self.on_long_prompt in ("error", "skip"), "'error' or 'skip'"),
             ("template_check", self.template_check in ("warn", "error", "off"), "'warn', 'error' or 'off'"),
+            ("turn_layout", self.turn_layout in ("sequence", "per_turn"), "'sequence' (default) or 'per_turn'"),
+            ("keep_last_observations", self.keep_last_observations is None or self.keep_last_observations >= 0,
+             "None (off) or an int >= 0, e.g. 2"),
+            ("truncate_observations", self.truncate_observations is None or self.truncate_observations >= 1,
+             "None (off) or an int >= 1 (tokens), e.g. 64"),
             ("max_dynamic_sampling_rounds", isinstance(self.max_dynamic_sampling_rounds, int)
              and self.max_dynamic_sampling_rounds >= 0, "an int >= 0, e.g. 4 (0: no refill; groups without signal still leave the loss)"),
         )
@@ -521,6 +560,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"turn_advantage={self.turn_advantage!r} is not supported; choose one of {list(VALID_TURN_ADVANTAGES)}."
             )
+        self._check_turn_layout()
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1; got {self.max_turns}. Use max_turns=1 for single-turn tasks.")
         if self.max_completion_length is None or self.max_completion_length < 1:
@@ -579,3 +619,26 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 "leaves every process on its own."
             )
         check_trl_fields(self)
+
+    def _check_turn_layout(self) -> None:
+        """Refuse what the per-turn layout cannot honour, and context policies without it."""
+        policies = [k for k in ("keep_last_observations", "truncate_observations") if getattr(self, k) is not None]
+        if policies and self.turn_layout != "per_turn":
+            raise ValueError(
+                f"{', '.join(f'{k}={getattr(self, k)}' for k in policies)} changes what each turn sees, which only "
+                "the per-turn layout trains exactly; set turn_layout='per_turn' (got turn_layout="
+                f"{self.turn_layout!r})."
+            )
+        if self.turn_layout != "per_turn":
+            return
+        if self.importance_sampling_level == "sequence":
+            raise ValueError(
+                "importance_sampling_level='sequence' (GSPO: one ratio per trajectory) is not supported with "
+                "turn_layout='per_turn', where a trajectory is several rows; use importance_sampling_level='token' "
+                "or turn_layout='sequence'."
+            )
+        if not self.balance_micro_batches:
+            raise ValueError(
+                "turn_layout='per_turn' cuts mini-batches by trajectory, which the balanced planner does; set "
+                "balance_micro_batches=True (got False)."
+            )

@@ -61,22 +61,47 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} must be >= 0 (a count summed over the whole mini-batch).")
 
 
-def loss_normalizers(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This shard's ``(num_sequences, num_tokens)``: rows with at least one mask-1 token, and mask-1 tokens.
+def loss_normalizers(mask: torch.Tensor, sequence_tokens: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's ``(num_sequences, num_tokens)``: the trajectories that carry loss, and mask-1 tokens.
+
+    With one row per trajectory a trajectory is a row with at least one mask-1 token (VeRL). With ``sequence_tokens``
+    (the per-turn layout, several rows per trajectory) each row counts as the share of its trajectory it holds,
+    ``N_b / N_g(b)``, so the rows of a whole trajectory count 1 together however it was split.
 
     Sum both over every micro-batch and rank of a mini-batch (e.g. ``accelerator.reduce(..., "sum")``) and pass the
     sums as ``global_num_sequences`` / ``global_num_tokens``.
 
     Args:
         mask: (B, T) 1 on tokens that carry loss.
+        sequence_tokens: (B,) N_g of the trajectory each row belongs to (its mask-1 tokens over all its rows), or
+            None: every row is a whole trajectory.
 
     Returns:
-        two 0-dim int64 tensors on ``mask``'s device.
+        two 0-dim tensors on ``mask``'s device (int64 counts; float64 sequences with ``sequence_tokens``).
     """
     m = mask.bool()  # (B, T)
     num_tokens = m.sum()  # ()
-    num_sequences = m.any(dim=-1).sum()  # () rows without a loss token are not counted (VeRL)
+    if sequence_tokens is None:
+        num_sequences = m.any(dim=-1).sum()  # () rows without a loss token are not counted (VeRL)
+    else:
+        num_sequences = sequence_shares(m, sequence_tokens).double().sum()  # () whole trajectories, in shares
     return num_sequences, num_tokens
+
+
+def sequence_shares(mask: torch.Tensor, sequence_tokens: torch.Tensor) -> torch.Tensor:
+    """(B,) the share of its trajectory each row holds, ``N_b / N_g(b)`` (0 for a row without a loss token).
+
+    Args:
+        mask: (B, T) 1 on tokens that carry loss.
+        sequence_tokens: (B,) N_g of each row's trajectory; must be >= the row's own mask-1 tokens.
+    """
+    tokens_per_row = mask.bool().sum(dim=-1).to(torch.float64)  # (B,) N_b
+    whole = sequence_tokens.to(device=mask.device, dtype=torch.float64)  # (B,) N_g(b)
+    if bool((whole < tokens_per_row).any()):
+        raise ValueError("sequence_tokens must count at least the row's own loss tokens (N_g(b) >= N_b): a row's "
+                         "trajectory cannot carry fewer loss tokens than the row itself.")
+    return tokens_per_row / whole.clamp(min=1)  # (B,)
 
 
 def aggregate_loss(
@@ -87,6 +112,7 @@ def aggregate_loss(
     global_num_sequences: int | float | torch.Tensor | None = None,
     global_num_tokens: int | float | torch.Tensor | None = None,
     norm_constant: int | float | None = None,
+    sequence_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One scalar from a per-token loss matrix; VeRL's ``agg_loss`` semantics.
 
@@ -107,6 +133,10 @@ def aggregate_loss(
         global_num_tokens: N of the whole mini-batch; replaces this shard's N ("token-mean").
         norm_constant: divisor of "seq-mean-token-sum-norm"; default ``T = mask.shape[-1]``. Pass a constant (e.g.
             ``max_completion_length``) when micro-batches are padded to different widths.
+        sequence_tokens: (B,) the per-turn layout (several rows per trajectory): N_g of the trajectory each row
+            belongs to. "seq-mean-token-mean" then divides a row's token sum by its trajectory's N_g, not by the
+            row's own N_b, and |S| counts trajectories (each row its share N_b / N_g, :func:`loss_normalizers`), so a
+            trajectory weighs the same whether it is one row or K rows. None: every row is a whole trajectory.
 
     Returns:
         () the loss; with global counts, this shard's share so that the sum over shards is the mini-batch loss.
@@ -134,11 +164,15 @@ def aggregate_loss(
         return losses.sum() / denom  # ()
 
     row_sums = losses.sum(dim=-1)  # (B,) sum_t l_bt
+    per_row = tokens_per_row if sequence_tokens is None else sequence_tokens.to(tokens_per_row.device)  # (B,) N_g(b)
     if mode == "seq-mean-token-mean":
-        row_losses = row_sums / tokens_per_row.clamp(min=1)  # (B,) token-mean per row; 0 for empty rows
+        row_losses = row_sums / per_row.clamp(min=1).to(row_sums.dtype)  # (B,) this row's part of its token-mean
     else:
         row_losses = row_sums  # (B,) token-sum per row; 0 for empty rows
-    denom = (tokens_per_row > 0).sum() if global_num_sequences is None else global_num_sequences  # () |S|
+    if global_num_sequences is None:
+        denom = loss_normalizers(m, sequence_tokens)[0].to(row_losses.dtype)  # () |S|, in whole trajectories
+    else:
+        denom = global_num_sequences  # () |S|
     if float(denom) == 0:
         return zero
     loss = row_losses.sum() / denom  # () seq-mean (empty rows add 0 and are not counted)
@@ -188,6 +222,7 @@ def policy_loss(
     norm_constant: int | float | None = None,
     delta: float | None = None,
     importance_sampling_level: str = "token",
+    sequence_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO/GRPO policy loss (VeRL ``compute_policy_loss``, dual-clip off) aggregated by :func:`aggregate_loss`.
 
@@ -198,7 +233,8 @@ def policy_loss(
         mask: (B, T) 1 on tokens the policy sampled; every other position has no effect on loss or gradient.
         epsilon_low, epsilon_high: the clip range ``[1 - epsilon_low, 1 + epsilon_high]`` (TRL ``epsilon``,
             ``epsilon_high``; VeRL ``clip_ratio_low``, ``clip_ratio_high``).
-        aggregation, global_num_sequences, global_num_tokens, norm_constant: passed to :func:`aggregate_loss`.
+        aggregation, global_num_sequences, global_num_tokens, norm_constant, sequence_tokens: passed to
+            :func:`aggregate_loss`.
         delta: two-sided clipping (TRL ``delta``): the unclipped term uses ``min(rho, delta)``, so a negative
             advantage cannot weigh more than ``delta`` per token. None: off.
         importance_sampling_level: "token" (PPO/GRPO) or "sequence" (GSPO: one ratio per trajectory, the exp of the
@@ -241,6 +277,7 @@ def policy_loss(
         global_num_sequences=global_num_sequences,
         global_num_tokens=global_num_tokens,
         norm_constant=norm_constant,
+        sequence_tokens=sequence_tokens,
     )  # ()
 
     with torch.no_grad():
@@ -300,7 +337,7 @@ def grpo_loss(
     use_bias_correction_kl: bool = False, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
     aggregation: str = "seq-mean-token-mean", global_num_sequences: int | float | torch.Tensor | None = None,
     global_num_tokens: int | float | torch.Tensor | None = None, norm_constant: int | float | None = None,
-    delta: float | None = None, importance_sampling_level: str = "token",
+    delta: float | None = None, importance_sampling_level: str = "token", sequence_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The whole GRPO objective of one micro-batch, as ``MultiTurnGRPOTrainer.compute_loss`` trains it:
 
@@ -309,7 +346,8 @@ def grpo_loss(
     Args:
         logprobs, old_logprobs, advantages, mask: as :func:`policy_loss`.
         epsilon_low, epsilon_high, delta, importance_sampling_level: as :func:`policy_loss`.
-        aggregation, global_num_sequences, global_num_tokens, norm_constant: as :func:`policy_loss`, for the KL too.
+        aggregation, global_num_sequences, global_num_tokens, norm_constant, sequence_tokens: as :func:`policy_loss`,
+            for the KL too.
         ref_logprobs: (B, T) reference-model log-probs; read only when ``beta != 0``.
         importance_sampling_ratio: (B, T) or (B, 1) TRL's vLLM correction ``w >= 0`` (truncated or masked
             importance ratio between learner and sampler), or None. ``max(-w A rho, -w A clip(rho)) =
@@ -326,7 +364,7 @@ def grpo_loss(
         adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
         advantages = (adv * importance_sampling_ratio).expand_as(logprobs)  # (B, T) w A
     counts = dict(global_num_sequences=global_num_sequences, global_num_tokens=global_num_tokens,
-                  norm_constant=norm_constant)
+                  norm_constant=norm_constant, sequence_tokens=sequence_tokens)
     loss, stats = policy_loss(
         logprobs, old_logprobs, advantages, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         aggregation=aggregation, delta=delta, importance_sampling_level=importance_sampling_level, **counts,

@@ -13,6 +13,12 @@ Invariant (tested): the rollout never decodes and re-encodes what the policy sam
 environment text into ids (``observation_ids``) that are appended after the sampled ids, so the ids stored on a
 trajectory are exactly the ids the model was conditioned on at every turn.
 
+Per-turn layout: :meth:`Protocol.render_context` turns a message history (the prompt messages, then each turn's
+``assistant`` message and the ``tool`` message holding the environment's answer) into the ids a deployed model is
+given for the next turn. ``TagProtocol`` reuses the sampled ids of every assistant message whose text is unchanged, so
+without a context function its rendering equals the single sequence; ``ChatToolProtocol`` renders the conversation
+through the chat template, so a thinking template drops earlier ``<think>`` blocks as it does at deployment.
+
 Departure from Search-R1: the invalid-action feedback and the observation never contain a parsable action (a small
 model copies a literal ``<search> query </search>`` from feedback verbatim), and observations that contain the
 protocol's own tags are neutralised before insertion.
@@ -35,30 +41,77 @@ DEFAULT_INVALID_FEEDBACK = (
 )
 
 
+#: keys of a rollout's history messages that only the rollout and the protocols read (never given to a chat template)
+_PRIVATE_KEYS = ("ids", "action")
+
+
+def prompt_messages(prompt: Any) -> list[dict]:
+    """The chat messages of what ``Environment.reset`` returned: a string is one user message.
+
+    Args:
+        prompt: a string, or a list of chat messages (dicts with a ``role``).
+
+    Returns:
+        A new list of shallow copies of the messages.
+    """
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        return [dict(m) for m in prompt]
+    raise ValueError(
+        f"Environment.reset must return a string or a list of chat messages with a 'role'; got {type(prompt)!r}: "
+        f"{str(prompt)[:100]!r}."
+    )
+
+
+def _chat_template_ids(tokenizer, messages: list[dict], tools: list | None) -> list[int]:
+    """``apply_chat_template`` with the assistant generation prompt, tokenized, as a plain list of ids."""
+    kwargs = {"tools": tools} if tools else {}
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
+
+
 def _render_prompt_ids(tokenizer, prompt, use_chat_template: bool, tools: list | None = None) -> list[int]:
     """Token ids of the initial context ``u_1`` (with the assistant generation prompt when a template is used)."""
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
-        messages = prompt
-    else:
-        raise ValueError(
-            f"Environment.reset must return a string or a list of chat messages with a 'role'; got {type(prompt)!r}: "
-            f"{str(prompt)[:100]!r}."
-        )
+    messages = prompt_messages(prompt)
     if use_chat_template:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "The tokenizer has no chat template but the protocol was created with use_chat_template=True. "
                 "Set tokenizer.chat_template, or create the protocol with use_chat_template=False."
             )
-        kwargs = {"tools": tools} if tools else {}
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+        return _chat_template_ids(tokenizer, messages, tools)
     text = "\n\n".join(m["content"] for m in messages if isinstance(m.get("content"), str))
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def truncate_text(tokenizer, text: str, max_tokens: int | None) -> tuple[str, bool]:
+    """Cut ``text`` to its first ``max_tokens`` tokens followed by :data:`TRUNCATION_MARKER`.
+
+    Args:
+        tokenizer: the policy's tokenizer (counts the tokens).
+        text: the text to cut.
+        max_tokens: the most tokens kept; None keeps everything.
+
+    Returns:
+        ``(text, truncated)``: the text, cut or not, and whether it was cut.
+    """
+    if max_tokens is None:
+        return text, False
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text, False
+    return tokenizer.decode(ids[:max_tokens]) + TRUNCATION_MARKER, True
+
+
+def _prompt_length(messages: list[dict]) -> int:
+    """How many leading messages form the prompt: those before the first assistant or tool message."""
+    for n, m in enumerate(messages):
+        if m.get("role") in ("assistant", "tool"):
+            return n
+    return len(messages)
 
 
 class Protocol(ABC):
@@ -87,18 +140,45 @@ class Protocol(ABC):
     def observation_ids(self, tokenizer, observation: str, action: Action) -> tuple[list[int], dict]:
         """Ids inserted (mask 0) after the action, and a record of what was changed (truncation, sanitising)."""
 
+    # ---- per-turn contexts ----
+    def render_context(self, tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:
+        """The ids a deployed model is given for its next turn, rendered from a message history.
+
+        ``messages`` are the prompt messages, then per turn ``{"role": "assistant", "content": text, "ids": sampled
+        ids}`` and ``{"role": "tool", "content": observation text, "action": Action, "name": tool name}`` (the
+        environment's text, before the protocol sanitizes or truncates it). Used by the rollout's per-turn layout
+        (``RolloutConfig(turn_layout="per_turn")``); a protocol that does not override it supports only the sequence
+        layout.
+
+        Args:
+            tokenizer: the policy's tokenizer.
+            messages: the history, possibly rewritten by a context function.
+            tools: tool definitions rendered into the prompt (the environment's ``tools``).
+
+        Returns:
+            The context ids, ending where the policy starts writing.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement render_context, which the per-turn layout needs. Use "
+            "RolloutConfig(turn_layout='sequence'), or implement render_context(tokenizer, messages, tools)."
+        )
+
     def validate(self, tokenizer) -> None:
         """Raise ``ValueError`` when the protocol cannot work with this tokenizer."""
 
     # ---- shared helpers ----
     def _truncate(self, tokenizer, text: str) -> tuple[str, bool]:
         """Cut an observation to ``max_observation_tokens`` tokens, with a visible marker."""
-        if self.max_observation_tokens is None:
-            return text, False
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) <= self.max_observation_tokens:
-            return text, False
-        return tokenizer.decode(ids[: self.max_observation_tokens]) + TRUNCATION_MARKER, True
+        return truncate_text(tokenizer, text, self.max_observation_tokens)
+
+
+def _assistant_ids(tokenizer, message: dict) -> list[int]:
+    """The sampled ``ids`` of an assistant message whose ``content`` still decodes from them; its re-tokenized
+    ``content`` when a context function changed the text (or no ids were kept)."""
+    ids = message.get("ids")
+    if ids is not None and tokenizer.decode(ids, skip_special_tokens=True) == message["content"]:
+        return list(ids)
+    return list(tokenizer(message["content"], add_special_tokens=False)["input_ids"])
 
 
 class TagProtocol(Protocol):
@@ -190,6 +270,29 @@ class TagProtocol(Protocol):
         template = self.invalid_template if action.kind == "invalid" else self.observation_template
         rendered = template.replace("{text}", text)
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"]), record
+
+    def render_context(self, tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:
+        """``prompt_ids`` of the prompt messages, then each turn inline as the single sequence holds it: an assistant
+        message's sampled ``ids`` while its ``content`` is unchanged (its text re-tokenized when a context function
+        changed it), an observation through :meth:`observation_ids` (sanitized, truncated, in the invalid-action
+        template when its ``action`` was invalid). Without a context function this is the single sequence itself."""
+        n = _prompt_length(messages)
+        if n == 0:
+            raise ValueError("TagProtocol.render_context needs the prompt messages first; the history starts with "
+                             f"a {messages[0].get('role') if messages else 'missing'!r} message.")
+        ids = self.prompt_ids(tokenizer, messages[:n], tools)  # (P,)
+        for m in messages[n:]:
+            if m.get("role") == "assistant":
+                ids += _assistant_ids(tokenizer, m)  # the turn's sampled ids
+            elif m.get("role") == "tool":
+                ids += self.observation_ids(tokenizer, m["content"], m.get("action") or Action(kind="tool"))[0]
+            else:
+                raise ValueError(
+                    f"TagProtocol.render_context got a {m.get('role')!r} message after the first turn; inline tags "
+                    "have only assistant turns and tool observations after the prompt. A context function may rewrite "
+                    "or drop messages but not add other roles."
+                )
+        return ids
 
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -301,3 +404,21 @@ class ChatToolProtocol(Protocol):
             # the cut message never sampled its EOS: close it (mask 0) as the chat template renders every message
             ids = [tokenizer.eos_token_id, *ids]
         return ids, record
+
+    def render_context(self, tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:
+        """The chat template over the history with the generation prompt, tokenized: what a deployed model is given.
+        Assistant messages are their text ``content`` (sampled ids are not reused: the template decides what an
+        earlier turn looks like, e.g. without its ``<think>`` block); observations are ``observation_role`` messages
+        holding the truncated text. With a ChatML template this reproduces the single sequence wherever the text of
+        the sampled ids tokenizes back to them."""
+        return _chat_template_ids(tokenizer, [self._chat_message(tokenizer, m) for m in messages], tools)
+
+    def _chat_message(self, tokenizer, message: dict) -> dict:
+        """A history message as the chat template takes it (the rollout's private keys removed)."""
+        if message.get("role") != "tool":
+            return {k: v for k, v in message.items() if k not in _PRIVATE_KEYS}
+        text, _ = self._truncate(tokenizer, message["content"])
+        out = {"role": self.observation_role, "content": text}
+        if self.observation_role == "tool" and message.get("name"):
+            out["name"] = message["name"]
+        return out

@@ -14,6 +14,19 @@ in a thread pool, async ones on an event loop), each bounded by ``env_timeout``;
 hangs ends its trajectory with the error recorded (``info["env_errors"]``, ``info["failed"]=True``) and the rest
 of the batch goes on, unless ``raise_on_env_error`` is set.
 
+Two turn layouts (``RolloutConfig.turn_layout``). ``"sequence"``: turn k+1 is generated from the single sequence
+so far (``Trajectory.input_ids``: the prompt, every sampled id and every observation's ids). ``"per_turn"``: the
+rollout keeps each trajectory's message history (the prompt messages, then per turn an ``assistant`` message with the
+sampled text and ids and a ``tool`` message with the environment's answer), and turn k is generated from
+``protocol.render_context(tokenizer, context_fn(history) if context_fn else history, tools)``: the conversation as
+the deployed model sees it (a thinking chat template drops earlier ``<think>`` blocks; a context function from
+:mod:`trl_multiturn.context` drops or cuts old observations). That id list is what the generator gets, and it is
+recorded in ``Trajectory.turn_contexts`` for the trainer's per-turn rows; the single-sequence fields are built as in
+the sequence layout (reward functions and logging read them). Limits in the per-turn layout: ``max_context_length``
+bounds the rendered context plus the turn; ``max_completion_length`` keeps its meaning (the single sequence's
+completion: actions and observations). A context function that raises ends its trajectory as a recorded failure
+(``stop_reason="context_error"``), as an environment error does.
+
 Trajectories advance independently. With a streaming backend (``TransformersGenerator``: ``submit`` / ``step``) the
 main thread steps generation token by token; a trajectory whose turn ended leaves the batch and its ``env.step``
 starts at once in the environment pool, while the others keep generating; when its observation is ready it rejoins
@@ -48,7 +61,7 @@ from typing import Any, Callable
 
 from .environment import Action, Step
 from .generation import SamplingParams
-from .protocols import Protocol
+from .protocols import Protocol, prompt_messages
 from .trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -110,9 +123,17 @@ class _EnvRunner:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+TURN_LAYOUTS = ("sequence", "per_turn")
+
+
 @dataclass
 class RolloutConfig:
-    """Limits of one rollout (filled from ``MultiTurnGRPOConfig``)."""
+    """Limits of one rollout (filled from ``MultiTurnGRPOConfig``).
+
+    ``turn_layout`` is ``"sequence"`` (each turn generated from the single sequence so far) or ``"per_turn"`` (each
+    turn generated from its own rendered context, recorded in ``Trajectory.turn_contexts``); ``context_fn`` (per-turn
+    only) maps the message history to the messages the next turn sees (:mod:`trl_multiturn.context`).
+    """
 
     max_turns: int = 4
     max_completion_length: int = 1024
@@ -121,6 +142,21 @@ class RolloutConfig:
     env_timeout: float | None = 30.0
     raise_on_env_error: bool = False
     on_long_prompt: str = "error"
+    turn_layout: str = "sequence"
+    context_fn: Callable[[list[dict]], list[dict]] | None = None
+
+    def __post_init__(self):
+        if self.turn_layout not in TURN_LAYOUTS:
+            raise ValueError(f"turn_layout must be one of {TURN_LAYOUTS}; got {self.turn_layout!r}.")
+        if self.context_fn is not None and not callable(self.context_fn):
+            raise ValueError(
+                f"context_fn must be a callable (messages -> messages) or None; got {type(self.context_fn).__name__}."
+            )
+        if self.context_fn is not None and self.turn_layout != "per_turn":
+            raise ValueError(
+                "context_fn is set with turn_layout='sequence': it would change what the model sees at each turn but "
+                "not what is trained (the single sequence). Set turn_layout='per_turn', or drop context_fn."
+            )
 
 
 def _preview(example: Any, limit: int = 120) -> str:
@@ -157,6 +193,7 @@ class _Run:
     generated_tokens: int = 0
     env_blocked_s: float = 0.0
     generation_s: float = 0.0
+    histories: list[list[dict]] = field(default_factory=list)  # per trajectory, per-turn layout only
 
 
 class MultiTurnRollout:
@@ -172,6 +209,12 @@ class MultiTurnRollout:
     def __init__(self, env_factory: Callable[[], Any], protocol: Protocol, tokenizer, config: RolloutConfig):
         if config.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1; got {config.max_turns}. Set max_turns=1 for single-turn.")
+        if config.turn_layout == "per_turn" and type(protocol).render_context is Protocol.render_context:
+            raise ValueError(
+                f"turn_layout='per_turn' needs a protocol that renders a turn's context; {type(protocol).__name__} "
+                "does not implement render_context. Use turn_layout='sequence', or implement "
+                "render_context(tokenizer, messages, tools)."
+            )
         self.env_factory = env_factory
         self.protocol = protocol
         self.tokenizer = tokenizer
@@ -182,11 +225,12 @@ class MultiTurnRollout:
     def close(self):
         self._runner.close()
 
-    def _fail(self, traj: Trajectory, what: str, err: BaseException, example_index: int, env: Any = None) -> None:
+    def _fail(self, traj: Trajectory, what: str, err: BaseException, example_index: int, env: Any = None,
+              name: str | None = None) -> None:
         message = f"{what} failed: {type(err).__name__}: {err}"
         traj.info.setdefault("env_errors", []).append(message)
         traj.info["failed"] = True
-        name = type(env).__name__ if env is not None else "environment"
+        name = name or (type(env).__name__ if env is not None else "environment")
         example = traj.info.get("example", "")
         if self.config.raise_on_env_error:
             raise EnvironmentError_(f"{name}.{what} for example {example_index} {example} failed: {err}") from err
@@ -218,6 +262,7 @@ class MultiTurnRollout:
                 traj.info["stop_reason"] = "reset_error"
                 st.trajs.append(traj)
                 st.done.append(True)
+                st.histories.append([])
                 continue
             if cfg.max_context_length is not None and len(ids) >= cfg.max_context_length:
                 message = (
@@ -234,11 +279,13 @@ class MultiTurnRollout:
                         "example": _preview(examples[i])}
                 st.trajs.append(Trajectory(prompt_ids=[tok.eos_token_id], info=info))
                 st.done.append(True)
+                st.histories.append([])
                 continue
             st.trajs.append(
                 Trajectory(prompt_ids=ids, info={"actions": [], "stop_reason": None, "example": _preview(examples[i])})
             )
             st.done.append(False)
+            st.histories.append(prompt_messages(prompt) if cfg.turn_layout == "per_turn" else [])
 
         if getattr(generator, "supports_streaming", False) and callable(getattr(generator, "submit", None)):
             self._run_streaming(st, generator, sampling)
@@ -271,17 +318,45 @@ class MultiTurnRollout:
         return trajs
 
     # ------------------------------------------------------------------ one trajectory's turn
-    def _turn_budget(self, st: _Run, i: int) -> int | None:
-        """Token budget of trajectory i's next turn, or None when a limit ends it (marked on the trajectory)."""
+    def _next_turn(self, st: _Run, i: int) -> tuple[list[int], int] | None:
+        """The context ids and token budget of trajectory i's next turn, or None when it ends (marked on the
+        trajectory). In the per-turn layout the context is recorded in ``turn_contexts``."""
         cfg, t = self.config, st.trajs[i]
         if t.num_turns >= cfg.max_turns:
             st.done[i], t.info["stop_reason"] = True, "max_turns"
             return None
+        context = t.input_ids if cfg.turn_layout == "sequence" else self._render_context(st, i)  # (T,)
+        if context is None:
+            return None
+        budget = self._turn_budget(st, i, len(context))
+        if budget is None:
+            return None
+        if cfg.turn_layout == "per_turn":
+            t.turn_contexts.append(context)
+        return context, budget
+
+    def _render_context(self, st: _Run, i: int) -> list[int] | None:
+        """Trajectory i's per-turn context: its history, through the context function, rendered by the protocol. A
+        context function that raises ends the trajectory as a recorded failure (None); a protocol or chat template
+        that cannot render the messages raises (a set-up error, as in ``observation_ids``)."""
+        history, context_fn = st.histories[i], self.config.context_fn
+        try:
+            messages = context_fn(history) if context_fn is not None else history
+        except Exception as exc:  # a user function's failure: recorded on its trajectory, not fatal
+            self._fail(st.trajs[i], "context_fn", exc, i, name="RolloutConfig")
+            st.trajs[i].info["stop_reason"], st.done[i] = "context_error", True
+            return None
+        return self.protocol.render_context(self.tokenizer, messages, getattr(st.envs[i], "tools", None))
+
+    def _turn_budget(self, st: _Run, i: int, context_length: int) -> int | None:
+        """Token budget of trajectory i's next turn from a ``context_length``-token context, or None when a limit
+        ends it (marked on the trajectory)."""
+        cfg, t = self.config, st.trajs[i]
         budget = cfg.max_completion_length - len(t.completion_ids)
         if cfg.max_tokens_per_turn is not None:
             budget = min(budget, cfg.max_tokens_per_turn)
         if cfg.max_context_length is not None:
-            budget = min(budget, cfg.max_context_length - len(t.prompt_ids) - len(t.completion_ids))
+            budget = min(budget, cfg.max_context_length - context_length)
         # the per-turn cap ends a turn, not the trajectory (the protocol parses the cut turn as an invalid action):
         # only the overall budget truncates
         st.turn_capped[i] = cfg.max_tokens_per_turn is not None and budget == cfg.max_tokens_per_turn
@@ -300,6 +375,8 @@ class MultiTurnRollout:
         st.generated_tokens += len(out.ids)
         t.add_action(out.ids, out.logprobs)
         text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
+        if self.config.turn_layout == "per_turn":
+            st.histories[i].append({"role": "assistant", "content": text, "ids": list(out.ids)})
         action = self.protocol.parse(text, finished_by_eos=out.finish_reason == "eos")
         if out.finish_reason == "length" and not st.turn_capped[i]:
             # The action was cut by the trajectory's token budget: nothing left to execute.
@@ -345,6 +422,9 @@ class MultiTurnRollout:
             t.truncated, t.info["stop_reason"], st.done[i] = True, "max_tokens", True
             return False
         t.add_observation(obs_ids)
+        if cfg.turn_layout == "per_turn":  # the environment's text: the protocol sanitizes and cuts it when rendering
+            name = {"name": action.name} if action.name else {}
+            st.histories[i].append({"role": "tool", "content": text, "action": action, **name})
         return True
 
     # ------------------------------------------------------------------ loops
@@ -356,11 +436,11 @@ class MultiTurnRollout:
         pending: dict[Future, tuple[int, Action]] = {}
 
         def start_turn(i: int) -> None:
-            budget = self._turn_budget(st, i)
-            if budget is None:
+            turn = self._next_turn(st, i)
+            if turn is None:
                 sessions[i].drop()
             else:
-                generator.submit(i, st.trajs[i].input_ids, budget, sampling, session=sessions[i])
+                generator.submit(i, turn[0], turn[1], sampling, session=sessions[i])
 
         try:
             for i, d in enumerate(st.done):
@@ -406,18 +486,18 @@ class MultiTurnRollout:
         if "sessions" in params and callable(getattr(generator, "new_session", None)):
             sessions = [generator.new_session() for _ in st.trajs]
         for _turn in range(cfg.max_turns):
-            runnable = []
+            runnable: list[tuple[int, list[int], int]] = []  # (trajectory, context ids, token budget)
             for i, d in enumerate(st.done):
-                if not d and (budget := self._turn_budget(st, i)) is not None:
-                    runnable.append((i, budget))
+                if not d and (turn := self._next_turn(st, i)) is not None:
+                    runnable.append((i, *turn))
             if not runnable and not collective:
                 break
-            kwargs = {"sessions": [sessions[i] for i, _ in runnable]} if sessions is not None else {}
+            kwargs = {"sessions": [sessions[i] for i, _, _ in runnable]} if sessions is not None else {}
             t0 = time.perf_counter()
-            outs = generator.generate([st.trajs[i].input_ids for i, _ in runnable], [b for _, b in runnable], sampling, **kwargs)
+            outs = generator.generate([c for _, c, _ in runnable], [b for _, _, b in runnable], sampling, **kwargs)
             st.generation_s += time.perf_counter() - t0
             stepping: list[tuple[int, Action]] = []
-            for (i, _), out in zip(runnable, outs):
+            for (i, _, _), out in zip(runnable, outs):
                 action = self._end_turn(st, i, out)
                 if action is not None:
                     stepping.append((i, action))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 
@@ -234,3 +235,21 @@ class LayoutScorer:
         half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
         error = float("inf") if other is None else float((plain - other)[rows.valid].abs().mean())
         return error, (5e-2 if half else 1e-3)
+
+
+@contextmanager
+def reference_model(trainer, reference: bool = True):
+    """The model to score with: the policy, or (``reference``) the KL's reference as TRL picks it: ``ref_model`` when
+    there is one, else the policy with its ``"ref"`` adapter (the frozen copy TRL makes of a pretrained adapter, e.g.
+    a warm start) or with its adapters disabled (the base model under a new adapter)."""
+    if not reference:
+        yield trainer.model
+        return
+    if trainer.ref_model is not None:
+        yield trainer.ref_model
+        return
+    from trl.trainer.utils import use_adapter
+
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    with use_adapter(unwrapped, adapter_name="ref" if "ref" in getattr(unwrapped, "peft_config", {}) else None):
+        yield trainer.model

@@ -8,7 +8,8 @@ This file is the glue between TRL 1.16 and the pieces that do the work; one trai
         _run_rollout                 MultiTurnRollout.run -> list[Trajectory]          trl_multiturn.rollout
         super()                      TRL pads the trajectories (rollout_func), rewards, reference log-probs
         _replace_advantages          rollout_advantages -> (B,) or (B, C)             trl_multiturn.advantages
-      shuffle_groups, balanced_micro_batches, attach_normalizers                      trl_multiturn.batching
+      shuffle_groups, [per turn: expand into one row per turn]                       trl_multiturn.turn_rows
+      balanced_micro_batches, attach_normalizers                                     trl_multiturn.batching
       _score_old_logps               pi_old per micro-batch, in the training layout
     compute_loss (per micro-batch)
       _get_per_token_logps_and_entropies -> LayoutScorer.score, (b, C)                trl_multiturn.scoring
@@ -49,20 +50,14 @@ from .config import MultiTurnGRPOConfig
 from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_scored_rows, next_refill, refill_rows
 from .generation import SamplingParams, TransformersGenerator, VLLMGenerator
 from .loss import grpo_loss, loss_normalizers, sampler_learner_gap
+from .context import context_policy
 from .protocols import Protocol
 from .rollout import MultiTurnRollout, RolloutConfig
-from .scoring import LayoutScorer
+from .scoring import LayoutScorer, reference_model
 from .trajectory import Trajectory, completion_tensors
+from .turn_rows import TurnRowRegistry, trajectory_mini_batches
 
 logger = logging.getLogger(__name__)
-
-
-def _env_reward(completions, env_reward, **kwargs) -> list[float]:
-    """Reward function exposing the sum of the environment's per-turn rewards (NaN for a failed trajectory)."""
-    return [float(r) for r in env_reward]
-
-
-_env_reward.__name__ = "env_reward"
 
 
 class _SkipEmptyUpdate(TrainerCallback):
@@ -109,17 +104,18 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def __init__(self, model, reward_funcs: Callable | list[Callable] | None = None,
                  args: MultiTurnGRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None,
-                 environment_factory: Callable[[], Any] | None = None, protocol: Protocol | None = None):
+                 environment_factory: Callable[[], Any] | None = None, protocol: Protocol | None = None,
+                 context_fn: Callable[[list[dict]], list[dict]] | None = None):
         args = check_args(args)
         factory, protocol, self._environment_name = resolve_environment(
             environment_factory, protocol, args, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
-        user_funcs, args = reward_functions(reward_funcs, args)
+        funcs, args = reward_functions(reward_funcs, args)
         self.protocol, self._environment_factory = protocol, factory
         self._rollout_all_dropped, self._warned_budget = False, False
         self._pending_trajectories: list[Trajectory] | None = None
         self._step_stats = metrics.StepStats()
         super().__init__(
-            model=model, reward_funcs=user_funcs + [_env_reward], args=args, train_dataset=train_dataset,
+            model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class,
             reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
             peft_config=peft_config, rollout_func=self._rollout_func,
@@ -133,13 +129,16 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         self._scorer = LayoutScorer(self.accelerator, self.args)
         self._defer_old_logps = False  # set while TRL scores a rollout: see _get_per_token_logps_and_entropies
         ensure_pad_token(self._tokenizer)
-        check_protocol(protocol, self._tokenizer, args.template_check)  # validate(), then the template check
+        # validate(), then the template check (moot per turn: each turn is rendered as the template renders it)
+        check_protocol(protocol, self._tokenizer, args.template_check if args.turn_layout == "sequence" else "off")
         self.rollout = MultiTurnRollout(factory, protocol, self._tokenizer, RolloutConfig(
             max_turns=args.max_turns, max_completion_length=args.max_completion_length,
             max_tokens_per_turn=args.max_tokens_per_turn, env_timeout=args.env_timeout,
             max_context_length=getattr(getattr(self.model, "config", None), "max_position_embeddings", None),
             raise_on_env_error=args.raise_on_env_error, on_long_prompt=args.on_long_prompt,
+            turn_layout=args.turn_layout, context_fn=context_policy(args, self._tokenizer, context_fn),
         ))
+        self._turn_rows = TurnRowRegistry() if args.turn_layout == "per_turn" else None
         self.add_callback(_SkipEmptyUpdate(self))
         # One sampling stream per rank: ranks that hold members of the same group (prompts_per_rollout not a multiple
         # of the number of processes) would otherwise sample them identically.
@@ -218,6 +217,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if deferred and mode == "eval":
             output.pop("old_per_token_logps", None)
         self._replace_advantages(output, trajs, mode)
+        if self._turn_rows is not None and mode == "train":
+            self._turn_rows.register(output, trajs)  # expanded into one row per turn in _prepare_inputs
         group = self.num_generations if mode == "train" else self.num_generations_eval
         self.last_stop_reasons = metrics.log_rollout(self._metrics[mode], trajs, self.accelerator, group)
         metrics.log_rollout_speed(self._metrics[mode], self.rollout.last_stats)
@@ -272,11 +273,15 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 batch = self._dynamic_sampling_rollout(generation_batch)
             else:
                 batch = self._generate_and_score_completions(generation_batch)
-            batch = shuffle_groups(batch, self.num_generations)
+            batch, minis = shuffle_groups(batch, self.num_generations), None
+            if self._turn_rows is not None:  # per-turn layout: one row per turn, mini-batches of whole trajectories
+                n = batch["completion_ids"].size(0)
+                batch, owner = self._turn_rows.expand(batch, self._tokenizer.pad_token_id)
+                minis = trajectory_mini_batches(owner, n, steps // accum)
             self._scorer.check_rollout(self.model, batch)
             if self.args.balance_micro_batches:
                 budget = self.args.max_tokens_per_micro_batch
-                chunks = balanced_micro_batches(batch, steps, accum, budget, self._scorer.sharing_planned())
+                chunks = balanced_micro_batches(batch, steps, accum, budget, self._scorer.sharing_planned(), minis)
                 self._warned_budget = metrics.log_micro_batches(self._metrics["train"], chunks, accum, budget,
                                                                 self._warned_budget)
             else:
@@ -284,6 +289,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             self._attach_normalizers(chunks)
             if "old_per_token_logps" in batch:  # several optimizer steps or epochs per rollout: pi_old is frozen
                 self._score_old_logps(chunks)
+            if self._turn_rows is not None and self.beta != 0.0:  # TRL scored the reference on whole sequences
+                self._score_old_logps(chunks, key="ref_per_token_logps")
             counts = [chunk_tokens(c, *self._scorer.planned_layouts()) for c in chunks]  # (processed, real)
             completion = sum(float(c["completion_mask"].sum()) for c in chunks)
             metrics.log_padding(self._metrics["train"], counts, completion, self.accelerator)
@@ -296,13 +303,10 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         attach_normalizers(chunks, totals, self.args.gradient_accumulation_steps)  # totals: (chunks, 2)
 
     def _dynamic_sampling_rollout(self, inputs: list[dict]) -> dict:
-        """``dynamic_sampling``: score rounds of rollouts until every rank holds its share of groups with reward
-        variance (with ``dynamic_sampling_balance``, its share for each value of that column), at most
-        ``max_dynamic_sampling_rounds`` refill rounds, every rank the same number, each rolling out the same number of
-        prompts; then one scored batch of the kept groups, places still empty filled with dropped groups whose loss
-        mask is 0 (see trl_multiturn.dynamic_sampling). Refill prompts are drawn from ``train_dataset`` (from the
-        values still missing) with a generator seeded by (seed, global step, round, rank): a resumed run draws the
-        same ones."""
+        """``dynamic_sampling``: rounds of rollouts until every rank holds its share of groups with reward variance
+        (per value of ``dynamic_sampling_balance``), at most ``max_dynamic_sampling_rounds`` refills, the same count
+        on every rank; empty places get dropped groups with loss mask 0 (trl_multiturn.dynamic_sampling). Refill
+        prompts are drawn with a generator seeded by (seed, global step, round, rank): a resumed run draws the same."""
         G, acc, dataset, n = self.num_generations, self.accelerator, self.train_dataset, len(inputs)
         check_dynamic_sampling(n, G, dataset)
         column, selection = self.args.dynamic_sampling_balance, Selection(quota=n // G, strata=self._balance_quotas)
@@ -331,16 +335,18 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                                      column, {v: selection.kept_by[v] for v in selection.strata or {}})
         return batch
 
-    def _score_old_logps(self, chunks: list[dict]) -> None:
+    def _score_old_logps(self, chunks: list[dict], key: str = "old_per_token_logps") -> None:
         """Each micro-batch's ``old_per_token_logps`` (b, C) from the call :meth:`compute_loss` makes on it: the same
         rows, layout and one-time checks, before any update. On a fresh rollout ``pi / pi_old`` is then exactly 1
-        without dropout, and the cost is one no-gradient forward, as TRL's."""
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        without dropout, and the cost is one no-gradient forward, as TRL's. With ``key="ref_per_token_logps"`` the
+        reference model's, chosen as TRL chooses it (the per-turn layout's rows are not TRL's)."""
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                reference_model(self, key == "ref_per_token_logps") as model:
             for chunk in chunks:
                 input_ids = torch.cat([chunk["prompt_ids"], chunk["completion_ids"]], dim=1)  # (b, P+C)
                 attention_mask = torch.cat([chunk["prompt_mask"], chunk["completion_mask"]], dim=1)  # (b, P+C)
-                chunk["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, chunk["completion_ids"].size(1))  # (b, C)
+                chunk[key], _, _ = self._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, chunk["completion_ids"].size(1))  # (b, C)
 
     # ------------------------------------------------------------------ forward and loss
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -381,7 +387,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             use_bias_correction_kl=self.args.use_bias_correction_kl, epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high, aggregation=self.args.loss_aggregation, global_num_sequences=n_seq,
             global_num_tokens=n_tok, norm_constant=float(self.args.max_completion_length), delta=self.args.delta,
-            importance_sampling_level=self.args.importance_sampling_level,
+            importance_sampling_level=self.args.importance_sampling_level, sequence_tokens=inputs.get("sequence_tokens"),
         )
         sampling = inputs.get("sampling_per_token_logps")  # (B, C) the generator's log-probs, NaN where unknown
         self._step_stats.add(stats, None if sampling is None else sampler_learner_gap(sampling, old, mask))

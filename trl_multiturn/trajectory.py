@@ -7,6 +7,12 @@ action mask 0). The mask is built where the tokens are produced (:meth:`Trajecto
 :meth:`Trajectory.add_observation`), and has a single meaning everywhere in the package: 1 = this token was sampled by
 the policy and carries loss.
 
+Two layouts share this container. In the *sequence* layout the trajectory is trained as that one sequence. In the
+*per-turn* layout each turn k was generated from its own context ``turn_contexts[k]``, the conversation rendered as the
+deployed model sees it (a thinking template drops earlier ``<think>`` blocks; a context function drops or cuts old
+observations), and is trained as its own row ``(turn_contexts[k], a_k)`` (:meth:`Trajectory.turn_rows`). The
+single-sequence fields are built the same way in both layouts: reward functions and logging read them.
+
 Tensors: the trainer hands the exact lists to TRL through ``rollout_func`` and TRL pads them into its layout
 (``prompt_ids`` left-padded, ``completion_ids`` and the action mask, TRL's ``tool_mask``, right-padded);
 :func:`completion_tensors` lays out the per-token lists TRL does not carry (turn ids) in that same layout.
@@ -44,6 +50,8 @@ class Trajectory:
             action it took was complete, and its reward judges the choice to keep acting), and a turn cut by
             ``max_tokens_per_turn`` (it ends the turn, not the trajectory; the protocol parses it as invalid).
         info: free-form per-trajectory record (stop reason, env errors, action kinds, parsed answer, ...).
+        turn_contexts: (K,) lists of ids, per-turn layout only (empty in the sequence layout): ``turn_contexts[k]``
+            is exactly the id list the generator was given for turn k, the context the turn was conditioned on.
     """
 
     prompt_ids: list[int]
@@ -56,6 +64,7 @@ class Trajectory:
     num_turns: int = 0
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    turn_contexts: list[list[int]] = field(default_factory=list)
 
     # ----- building (used by the rollout and by SFT; the only way ids and masks grow) -----
     def add_action(self, ids: list[int], logprobs: list[float] | None = None) -> None:
@@ -95,6 +104,30 @@ class Trajectory:
     def num_observation_tokens(self) -> int:
         return len(self.completion_ids) - self.num_action_tokens
 
+    def turn_rows(self) -> list[tuple[list[int], list[int], list[float]]]:
+        """One training row per turn: ``(context_ids, action_ids, action_logprobs)`` for k = 0 .. K-1.
+
+        ``action_ids`` (n_k,) and ``action_logprobs`` (n_k,) are the tokens sampled in turn k (``turn_ids == k`` and
+        ``action_mask == 1``) with their sampling log-probs. ``context_ids`` is ``turn_contexts[k]`` in the per-turn
+        layout; in the sequence layout (no ``turn_contexts``) it is the single sequence before turn k's first token,
+        which is what that turn was conditioned on there.
+
+        Returns:
+            K tuples of lists, in turn order.
+        """
+        actions: list[list[int]] = [[] for _ in range(self.num_turns)]  # K lists of (n_k,)
+        logprobs: list[list[float]] = [[] for _ in range(self.num_turns)]  # K lists of (n_k,)
+        for token, logprob, turn, m in zip(self.completion_ids, self.logprobs, self.turn_ids, self.action_mask):
+            if m == 1:
+                actions[turn].append(token)
+                logprobs[turn].append(logprob)
+        if self.turn_contexts:
+            contexts = [list(c) for c in self.turn_contexts]
+        else:  # turn ids never decrease: turn k starts after every token of the turns before it
+            starts = [sum(1 for turn in self.turn_ids if turn < k) for k in range(self.num_turns)]
+            contexts = [list(self.prompt_ids) + list(self.completion_ids[:s]) for s in starts]
+        return list(zip(contexts, actions, logprobs))
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when the per-token lists disagree or hold bad values."""
         c = len(self.completion_ids)
@@ -110,6 +143,11 @@ class Trajectory:
             )
         if self.turn_ids and (min(self.turn_ids) < 0 or max(self.turn_ids) >= max(self.num_turns, 1)):
             raise ValueError(f"Trajectory.turn_ids must lie in [0, num_turns={self.num_turns}).")
+        if len(self.turn_contexts) not in (0, self.num_turns):
+            raise ValueError(
+                f"Trajectory.turn_contexts has {len(self.turn_contexts)} entries but num_turns is {self.num_turns}; "
+                "it must hold one context per turn (per-turn layout) or none (sequence layout)."
+            )
         if not math.isfinite(self.reward):
             raise ValueError(f"Trajectory.reward is {self.reward}; rewards must be finite.")
 

@@ -1,0 +1,124 @@
+"""``turn_layout="per_turn"`` through ``MultiTurnGRPOTrainer.train()`` (issue 19): one row per turn, each turn
+trained on the context it was generated from, and a trajectory weighing the same as in the single-sequence layout.
+
+- With a template that keeps the prefix property (Search-R1's tags), the per-turn layout trains exactly what the
+  single-sequence layout trains: the same rollout, the same losses, the same parameters after two optimizer steps
+  (one of them off-policy).
+- With a thinking template that drops earlier ``<think>`` blocks, each trained row is (the context the turn was
+  generated from, the ids sampled in that turn): turn 2's row does not see turn 1's reasoning, the ratio is exactly 1
+  on the fresh rollout, the gradient is not 0, and a KL term is scored on the same rows.
+"""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from scripted import THINK_DROPPING, Recorder, ScriptedLM, logged, with_template
+from test_rollout import SearchLikeEnv
+from test_trainer import FeedbackEnv, dataset, make_args, vowel_reward
+
+from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+from trl_multiturn.generation import TransformersGenerator
+from trl_multiturn.protocols import ChatToolProtocol
+
+
+def _train(tmp_path, tiny_model_factory, tokenizer, layout, **overrides):
+    torch.manual_seed(0)
+    # plain SGD: Adam's m / sqrt(v) turns float noise in a near-zero gradient entry into a full-size step
+    args = make_args(tmp_path / layout, max_steps=2, mini_batch_size=4, micro_batch_size=2, turn_layout=layout,
+                     optim="sgd", learning_rate=0.5, **overrides)
+    trainer = MultiTurnGRPOTrainer(model=tiny_model_factory(seed=1), args=args, train_dataset=dataset(),
+                                   environment_factory=FeedbackEnv, reward_funcs=[vowel_reward],
+                                   processing_class=tokenizer)
+    rec = Recorder(trainer)
+    trainer.train()
+    return trainer, rec
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
+def test_per_turn_rows_train_exactly_what_the_sequence_trains_when_the_prefix_property_holds(
+        tmp_path, smollm2_tokenizer, tiny_model_factory, aggregation):
+    seq, seq_rec = _train(tmp_path, tiny_model_factory, smollm2_tokenizer, "sequence", loss_aggregation=aggregation)
+    per, per_rec = _train(tmp_path, tiny_model_factory, smollm2_tokenizer, "per_turn", loss_aggregation=aggregation)
+    for a, b in zip(seq_rec.rollouts[0], per_rec.rollouts[0]):  # the same trajectories, sampled from the same contexts
+        assert a.completion_ids == b.completion_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert b.turn_contexts == [b.input_ids[: len(b.prompt_ids) + a.turn_ids.index(k)] for k in range(b.num_turns)]
+    assert max(t.num_turns for t in per_rec.rollouts[0]) > 1  # several rows per trajectory
+    for key in ("loss", "grad_norm", "loss/ratio_min", "loss/ratio_max"):
+        assert logged(per, key) == pytest.approx(logged(seq, key), abs=1e-6, rel=1e-4), key
+    assert logged(per, "loss/ratio_min")[1] != 1.0  # the second step is off-policy: a real comparison of ratios
+    for (name, p), q in zip(seq.model.named_parameters(), per.model.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-4, msg=name)
+
+
+THINK_TURNS = [
+    '<think>I should look it up.</think>\n<tool_call>\n{"name": "search", "arguments": {"query": "capital of France"}}'
+    "\n</tool_call>",
+    "<think>The document says Paris.</think>\nParis",
+]
+
+
+def alternating_reward(completions, **kwargs):
+    """1 for every other trajectory: each group has reward variance under a deterministic scripted policy."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def test_a_thinking_template_trains_each_turn_on_the_context_it_was_generated_from(
+        tmp_path, smollm2_tokenizer, tiny_model_factory):
+    from peft import LoraConfig
+
+    tok = with_template(smollm2_tokenizer, THINK_DROPPING)
+    args = MultiTurnGRPOConfig(
+        output_dir=str(tmp_path / "out"), num_generations=2, prompts_per_rollout=2, mini_batch_size=4,
+        micro_batch_size=2, max_completion_length=160, max_turns=3, max_steps=1, logging_steps=1, beta=0.05,
+        learning_rate=1e-2, report_to="none", save_strategy="no", seed=0, turn_layout="per_turn",
+        template_check="error",  # not raised: the per-turn layout trains on the template's own rendering
+    )
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(seed=2), args=args, processing_class=tok, protocol=ChatToolProtocol(),
+        train_dataset=Dataset.from_dict({"q": ["capital of France?", "capital of Peru?"]}),
+        environment_factory=SearchLikeEnv, reward_funcs=[alternating_reward],
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),  # reference: adapter off
+    )
+    scripts = [tok(t, add_special_tokens=False)["input_ids"] for t in THINK_TURNS]
+    def script(context_ids):  # search first, answer once a tool response is in the context
+        return [scripts[1] if "<tool_response>" in tok.decode(context_ids) else scripts[0]]
+
+    policy = ScriptedLM(script, len(tok), tok.eos_token_id)  # samples the scripted turns; the tiny model is trained
+    trainer._run_rollout = lambda inputs: trainer.rollout.run(inputs, TransformersGenerator(policy, tok),
+                                                               trainer._sampling_params())
+    rec = Recorder(trainer)
+    trainer.train()
+
+    (trajs,) = rec.rollouts
+    assert all(t.info["actions"] == ["tool", "answer"] for t in trajs)
+    expected = {(tuple(ctx), tuple(ids)) for t in trajs for ctx, ids, _ in t.turn_rows()}
+    rows = set()
+    for chunk in trainer._buffered_inputs:  # the micro-batches the step trained on
+        if chunk.get("empty_micro_batch"):
+            continue
+        for b in range(chunk["prompt_ids"].size(0)):
+            prompt = chunk["prompt_ids"][b][chunk["prompt_mask"][b].bool()].tolist()
+            completion = chunk["completion_ids"][b][chunk["completion_mask"][b].bool()].tolist()
+            rows.add((tuple(prompt), tuple(completion)))
+            assert chunk["sequence_tokens"][b] == sum(len(ids) for _, ids, _ in trajs[0].turn_rows())
+    assert rows == expected and len(rows) == 2 * 2  # one row per turn (the two questions' groups sample alike)
+    second_turn_contexts = [tok.decode(ctx) for t in trajs for ctx, _, _ in t.turn_rows()[1:]]
+    assert second_turn_contexts and all("I should look it up" not in c for c in second_turn_contexts)
+    assert "I should look it up" in tok.decode(trajs[0].input_ids)  # the single sequence keeps it
+    assert logged(trainer, "loss/ratio_min") == [1.0] and logged(trainer, "loss/ratio_max") == [1.0]
+    assert logged(trainer, "grad_norm")[0] > 0
+    assert all(torch.isfinite(c["ref_per_token_logps"]).all() for c in trainer._buffered_inputs)
+    kl = logged(trainer, "loss/kl")
+    assert len(kl) == 1 and kl[0] == pytest.approx(0.0, abs=1e-6)  # a fresh LoRA adapter: policy == reference
+
+
+def test_per_turn_refusals(tmp_path):
+    with pytest.raises(ValueError, match="turn_layout='per_turn'"):
+        MultiTurnGRPOConfig(output_dir=str(tmp_path), keep_last_observations=2)
+    with pytest.raises(ValueError, match="importance_sampling_level='sequence'"):
+        MultiTurnGRPOConfig(output_dir=str(tmp_path), turn_layout="per_turn", importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="balance_micro_batches=True"):
+        MultiTurnGRPOConfig(output_dir=str(tmp_path), turn_layout="per_turn", balance_micro_batches=False)
+    with pytest.raises(ValueError, match="turn_layout=.*not valid"):
+        MultiTurnGRPOConfig(output_dir=str(tmp_path), turn_layout="rows")
