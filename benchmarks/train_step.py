@@ -2,6 +2,7 @@
 
     python benchmarks/train_step.py                               # CPU: a tiny random model (see below)
     python benchmarks/train_step.py --device cuda --dtype bf16 --model smollm2 --trajectories 32
+    python benchmarks/train_step.py --sides ours,ours-per-turn --out benchmarks/results/train_step_per_turn.json
 
 The rollout batch is made once: the multi-turn search workload of ``benchmarks/workload.py`` (forced tool calls;
 each question gets 1 to 4 turns, so trajectories have uneven lengths as real ones do) rolled out by our
@@ -12,6 +13,12 @@ knobs (micro-batch size, gradient accumulation, one GRPO iteration, no KL term):
 (a) TRL: ``GRPOTrainer(rollout_func=...)`` whose ``rollout_func`` returns the batch's ``prompt_ids``,
     ``completion_ids``, ``logprobs`` and ``env_mask`` (TRL's documented multi-turn seam);
 (b) ours: ``MultiTurnGRPOTrainer`` with its rollout replaced by the same trajectories.
+
+(c) ``ours-per-turn`` (``--sides``): ``MultiTurnGRPOTrainer`` with ``turn_layout="per_turn"`` on the same
+    trajectories, one row per turn whose context is the sequence so far (the workload's ChatML template keeps the
+    prefix property: nested turns share one row, so this is the per-turn layout's overhead where it buys nothing);
+    ``ours-per-turn-unmerged``: the same with every turn its own row, the cost of a template or context function
+    that rewrites the context at every turn (each row recomputes its whole context).
 
 Reported per side: wall time of ``train()``, time inside ``training_step`` (forward + backward of every
 micro-batch), tokens processed by the training forwards (padding included), the useful-token fraction
@@ -160,14 +167,23 @@ def train_trl(base_model, tok, rows, trajs, args) -> dict:
     return _train(trainer, model, trajs, args)
 
 
-def train_ours(base_model, tok, rows, trajs, env_class, args) -> dict:
+def per_turn_copy(trajs):
+    """The trajectories with each turn's context set to the sequence before its first token (prefix property)."""
+    out = copy.deepcopy(trajs)
+    for t in out:
+        t.turn_contexts = [t.prompt_ids + t.completion_ids[: t.turn_ids.index(k)] for k in range(t.num_turns)]
+    return out
+
+
+def train_ours(base_model, tok, rows, trajs, env_class, args, layout: str = "sequence", merge: bool = True) -> dict:
     from datasets import Dataset
 
     from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     model = copy.deepcopy(base_model).train()
     kw = common_args(args, tempfile.mkdtemp())
-    kw.update(max_turns=args.turns, max_observation_tokens=None, share_prompt_prefix=not args.no_share_prompt_prefix)
+    kw.update(max_turns=args.turns, max_observation_tokens=None, share_prompt_prefix=not args.no_share_prompt_prefix,
+              turn_layout=layout)
     if args.max_tokens_per_micro_batch:  # token budget: one accumulation slot per trajectory, the budget decides
         kw.update(per_device_train_batch_size=1, gradient_accumulation_steps=args.trajectories,
                   max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
@@ -176,6 +192,8 @@ def train_ours(base_model, tok, rows, trajs, env_class, args) -> dict:
         train_dataset=Dataset.from_list(rows), environment_factory=env_class,
     )
     trainer._run_rollout = lambda inputs: copy.deepcopy(trajs)  # the fixed batch instead of a fresh rollout
+    if trainer._turn_rows is not None:
+        trainer._turn_rows.merge = merge
     return _train(trainer, model, trajs, args)
 
 
@@ -226,6 +244,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps per measurement")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sides", default="trl,ours",
+                        help="comma-separated, measured in this order (reversed every other round): trl, ours, "
+                        "ours-per-turn (turn_layout='per_turn' on the same trajectories), ours-per-turn-unmerged (every turn its own "
+                        "row)")
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
     args = parser.parse_args(argv)
     args.model = args.model or ("smollm2" if args.device == "cuda" else "random-tiny")
@@ -238,16 +260,25 @@ def main(argv=None) -> dict:
     rows, trajs, env_class = make_batch(base, tok, args)
     lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
     print(f"batch: {len(trajs)} trajectories, {sum(t.num_turns for t in trajs)} turns, lengths {min(lengths)}..{max(lengths)}")
-    sides = {"trl": lambda: train_trl(base, tok, rows, trajs, args),
-             "ours": lambda: train_ours(base, tok, rows, trajs, env_class, args)}
+    per_turn = per_turn_copy(trajs)
+    known = {"trl": lambda: train_trl(base, tok, rows, trajs, args),
+             "ours": lambda: train_ours(base, tok, rows, trajs, env_class, args),
+             "ours-per-turn": lambda: train_ours(base, tok, rows, per_turn, env_class, args, layout="per_turn"),
+             "ours-per-turn-unmerged": lambda: train_ours(base, tok, rows, per_turn, env_class, args, layout="per_turn",
+                                                          merge=False)}
+    order = args.sides.split(",")
+    if len(order) != 2 or any(name not in known for name in order):
+        raise ValueError(f"--sides {args.sides!r}: give two of {list(known)}, comma-separated, e.g. trl,ours.")
+    sides = {name: known[name] for name in order}
     rounds = []
     for r in range(args.repeats):
         res = {}
-        for name in (["trl", "ours"] if r % 2 == 0 else ["ours", "trl"]):
+        for name in (order if r % 2 == 0 else order[::-1]):
             res[name] = sides[name]()
             print(f"  round {r}: {name:4s} step {res[name]['step_s']:.2f} s", flush=True)
         rounds.append(res)
-    keys = list(rounds[0]["trl"])
+    base_side, other = order
+    keys = list(rounds[0][base_side])
     med = {s: {k: (statistics.median(rd[s][k] for rd in rounds) if rounds[0][s][k] is not None else None) for k in keys}
            for s in sides}
     table = [
@@ -260,12 +291,14 @@ def main(argv=None) -> dict:
         ("packing check tokens (once)", "one_time_check_tokens", "{:.0f}"),
         ("peak memory (GiB)", "peak_memory_gib", "{:.2f}"),
     ]
-    rows_out = [(label, fmt, [med["trl"][key], med["ours"][key]]) for label, key, fmt in table]
-    W.print_table(["TRL 1.16", "ours"], rows_out, label_width=30, widths=12)
-    speed = med["trl"]["step_s"] / med["ours"]["step_s"]
-    print(f"\nstep-time ratio TRL / ours: {speed:.2f}x")
+    rows_out = [(label, fmt, [med[base_side][key], med[other][key]]) for label, key, fmt in table]
+    W.print_table([{"trl": "TRL 1.16"}.get(s, s) for s in order], rows_out, label_width=30, widths=14)
+    speed = med[base_side]["step_s"] / med[other]["step_s"]
+    ratios = [rd[base_side]["step_s"] / rd[other]["step_s"] for rd in rounds]
+    print(f"\nstep-time ratio {base_side} / {other}: {speed:.2f}x (per round: {', '.join(f'{x:.2f}' for x in ratios)})")
     result = {"benchmark": "train_step", "settings": vars(args), "median": med, "step_speedup": speed,
-              "batch_lengths": lengths, "rounds": rounds}
+              "round_ratios": ratios, "batch_lengths": lengths, "rounds": rounds,
+              "threads": torch.get_num_threads()}
     W.write_result(result, args.out)
     return result
 

@@ -46,6 +46,9 @@ class EvalArguments(recipe.SearchAgentArguments):
     num_samples: int = field(default=0, metadata={"help": "Also sample this many trajectories per question (0 = greedy only, else >= 2) and report their mean exact match (sampled_exact_match)."})
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature of --num_samples (use the training temperature; 0.7 in recipes/configs)."})
     eval_seed: int = field(default=0, metadata={"help": "Seed of the sampled trajectories of --num_samples."})
+    turn_layout: str = field(default="sequence", metadata={"help": "'sequence' or 'per_turn': as the training run (with a context policy below, per_turn)."})
+    keep_last_observations: int | None = field(default=None, metadata={"help": "Context policy of the training run: observations older than the last N replaced by a placeholder (needs --turn_layout per_turn)."})
+    truncate_observations: int | None = field(default=None, metadata={"help": "Context policy of the training run: observations but the latest cut to M tokens (needs --turn_layout per_turn)."})
 
 
 def main(args: EvalArguments, model_args: ModelConfig) -> dict:
@@ -53,6 +56,7 @@ def main(args: EvalArguments, model_args: ModelConfig) -> dict:
     from trl_multiturn.search import SearchEnvironment
     from trl_multiturn.search.evaluation import evaluate_search_agent
 
+    from trl_multiturn.context import context_policy
     from trl_multiturn.generation import SamplingParams
     from trl_multiturn.search.evaluation import heldout_rows
 
@@ -73,10 +77,13 @@ def main(args: EvalArguments, model_args: ModelConfig) -> dict:
         max_completion_length=args.max_completion_length, max_tokens_per_turn=args.eval_max_tokens_per_turn,
         batch_size=args.eval_batch_size, num_samples=args.num_samples,
         sampling=SamplingParams(temperature=args.temperature), seed=args.eval_seed,
+        turn_layout=args.turn_layout, context_fn=context_policy(args, tokenizer),
     )
     out["settings"] = {"heldout": args.heldout, "heldout_size": len(rows), "heldout_seed": args.heldout_seed,
                        "split": args.split, "num_samples": args.num_samples, "temperature": args.temperature,
-                       "adapter": args.adapter, "kb_seed": args.kb_seed}
+                       "adapter": args.adapter, "kb_seed": args.kb_seed, "turn_layout": args.turn_layout,
+                       "keep_last_observations": args.keep_last_observations,
+                       "truncate_observations": args.truncate_observations}
     name = f"{model_args.model_name_or_path or 'SmolLM2-135M-Instruct'}" + (f" + {args.adapter}" if args.adapter else "")
     print(f"\n{name} on {len(rows)} {args.split} questions ({out['seconds']:.0f} s)")
     print(f"{'subset':<8} {'n':>5} {'EM':>6} {'substr':>7} {'F1':>6} {'searches':>9} {'invalid':>8} {'answered':>9}")

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+from trl_multiturn.context import context_policy
 from trl_multiturn.protocols import TagProtocol
 from trl_multiturn.search import SearchEnvironment
 from trl_multiturn.search.evaluation import evaluate_search_agent
@@ -189,7 +190,8 @@ def evaluate(stage, model, tokenizer, rows, env_factory, args, training_args, re
     out = evaluate_search_agent(
         model, tokenizer, rows, env_factory, protocol=protocol, max_turns=training_args.max_turns,
         max_completion_length=training_args.max_completion_length, max_tokens_per_turn=args.eval_max_tokens_per_turn,
-        batch_size=args.eval_batch_size, accelerator=PartialState(),
+        batch_size=args.eval_batch_size, accelerator=PartialState(), turn_layout=training_args.turn_layout,
+        context_fn=context_policy(training_args, tokenizer),  # the contexts the policy is trained on
     )
     out["settings"] = {"heldout": args.heldout, "heldout_size": len(rows), "heldout_seed": args.heldout_seed,
                        "kb_seed": args.kb_seed, "stage": stage}

@@ -101,6 +101,33 @@ def test_recipe_end_to_end_tiny_model(tmp_path, tiny_model_dir, capsys):
         assert len(records) == results[stage]["summary"]["all"]["n"]
 
 
+def test_recipe_trains_and_evaluates_per_turn_with_a_context_policy(tmp_path, tiny_model_dir, monkeypatch):
+    """--turn_layout per_turn --keep_last_observations 1: the trainer and every evaluation roll out with the same
+    context function (a policy is evaluated on the contexts it was trained on)."""
+    from trl_multiturn.search import evaluation
+
+    seen = []
+    original = evaluation.evaluate_search_agent
+
+    def spy(*a, **k):
+        seen.append((k.get("turn_layout"), k.get("context_fn")))
+        return original(*a, **k)
+
+    recipe = load_recipe()
+    monkeypatch.setattr(recipe, "evaluate_search_agent", spy)
+    out = tmp_path / "run"
+    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--warm_start", "off",
+                          "--turn_layout", "per_turn", "--keep_last_observations", "1", *SMALL])
+    assert args[1].turn_layout == "per_turn" and args[1].keep_last_observations == 1
+    recipe.main(*args)
+    assert seen and all(layout == "per_turn" and callable(fn) for layout, fn in seen)
+    history = json.loads((out / "log_history.json").read_text())
+    assert any("loss/pg_loss" in h for h in history)
+    with pytest.raises(ValueError, match="turn_layout='per_turn'"):
+        parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out),
+                       "--truncate_observations", "8", *SMALL])
+
+
 def test_recipe_rejects_bad_arguments(tmp_path, tiny_model_dir):
     recipe = load_recipe()
     args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path), "--dataset",

@@ -92,15 +92,18 @@ def test_a_thinking_template_trains_each_turn_on_the_context_it_was_generated_fr
 
     (trajs,) = rec.rollouts
     assert all(t.info["actions"] == ["tool", "answer"] for t in trajs)
-    expected = {(tuple(ctx), tuple(ids)) for t in trajs for ctx, ids, _ in t.turn_rows()}
+    expected = {(tuple(ctx + ids), tuple(ids)) for t in trajs for ctx, ids, _ in t.turn_rows()}
     rows = set()
     for chunk in trainer._buffered_inputs:  # the micro-batches the step trained on
         if chunk.get("empty_micro_batch"):
             continue
         for b in range(chunk["prompt_ids"].size(0)):
             prompt = chunk["prompt_ids"][b][chunk["prompt_mask"][b].bool()].tolist()
-            completion = chunk["completion_ids"][b][chunk["completion_mask"][b].bool()].tolist()
-            rows.add((tuple(prompt), tuple(completion)))
+            real = chunk["completion_mask"][b].bool()
+            completion = chunk["completion_ids"][b][real].tolist()
+            trained = chunk["completion_ids"][b][real & chunk["tool_mask"][b].bool()].tolist()
+            assert tuple(prompt) in {tuple(t.prompt_ids) for t in trajs}  # its group's prompt, shared by its rows
+            rows.add((tuple(prompt + completion), tuple(trained)))  # (the context and the turn, the turn)
             assert chunk["sequence_tokens"][b] == sum(len(ids) for _, ids, _ in trajs[0].turn_rows())
     assert rows == expected and len(rows) == 2 * 2  # one row per turn (the two questions' groups sample alike)
     second_turn_contexts = [tok.decode(ctx) for t in trajs for ctx, _, _ in t.turn_rows()[1:]]

@@ -58,7 +58,7 @@ def test_expand_turn_rows_cuts_each_turn_and_repeats_the_trajectory():
     trajs = [_trajectory(rng, 4, 3), _trajectory(rng, 6, 1), Trajectory(prompt_ids=[5, 6])]
     trajs[2].add_observation([9])  # a failed reset: one masked token, no turn -> kept as one row
     batch = _scored(trajs)
-    rows, owner = expand_turn_rows(batch, [turn_rows_of(t) for t in trajs], PAD)
+    rows, owner = expand_turn_rows(batch, [turn_rows_of(t, merge=False) for t in trajs], PAD)
     assert owner == [0, 0, 0, 1, 2]
     assert rows["num_items_in_batch"] is batch["num_items_in_batch"]
     for r, b in enumerate(owner):
@@ -67,13 +67,15 @@ def test_expand_turn_rows_cuts_each_turn_and_repeats_the_trajectory():
         completion = rows["completion_ids"][r][rows["completion_mask"][r].bool()].tolist()
         if b < 2:
             k = owner[:r].count(b)
-            assert prompt == t.turn_contexts[k]
             sampled = [i for i, tid, m in zip(t.completion_ids, t.turn_ids, t.action_mask) if tid == k and m]
-            assert completion == sampled  # exactly the ids sampled in turn k
-            assert rows["tool_mask"][r][rows["completion_mask"][r].bool()].tolist() == [1] * len(sampled)
+            head = len(t.turn_contexts[k]) - len(t.prompt_ids)  # the context past the prompt heads the completion
+            assert prompt == t.prompt_ids  # every row of the trajectory has its prompt (shared by the group)
+            assert prompt + completion == t.turn_contexts[k] + sampled  # the row is the context, then turn k's ids
+            loss = rows["tool_mask"][r][rows["completion_mask"][r].bool()].tolist()
+            assert loss == [0] * head + [1] * len(sampled)  # the moved context carries no loss
             cols = [c for c, (tid, m) in enumerate(zip(t.turn_ids, t.action_mask)) if tid == k and m]
-            expected = [float(c + 100 * b) for c in cols]  # per-token tensors cut at the same columns
-            assert rows["sampling_per_token_logps"][r, : len(cols)].tolist() == expected
+            expected = [0.0] * head + [float(c + 100 * b) for c in cols]  # per-token tensors cut at the same columns
+            assert rows["sampling_per_token_logps"][r, : head + len(cols)].tolist() == expected
         else:
             assert prompt == [5, 6] and completion == [9] and rows["tool_mask"][r].sum() == 0
         assert rows["advantages"][r] == batch["advantages"][b]  # per trajectory: repeated
@@ -82,11 +84,32 @@ def test_expand_turn_rows_cuts_each_turn_and_repeats_the_trajectory():
         pytest.approx([len(trajs[0].turn_rows()[k][1]) / trajs[0].num_action_tokens for k in range(3)] + [1.0])
 
 
+def test_nested_contexts_merge_into_one_row_and_a_rewritten_context_starts_a_new_one():
+    rng = random.Random(2)
+    t = _trajectory(rng, 4, 3)  # contexts nest: the single sequence comes back as one row
+    whole = turn_rows_of(t)
+    assert whole.contexts == [t.prompt_ids] and whole.columns == [list(range(len(t.completion_ids)))]
+    batch = _scored([t])
+    rows, owner = expand_turn_rows(batch, [whole], PAD)
+    for key in ("prompt_ids", "completion_ids", "completion_mask", "tool_mask", "sampling_per_token_logps"):
+        assert torch.equal(rows[key], batch[key]), key  # exactly the single-sequence row
+    # turn 2's context rewritten (a dropped think block, a cut observation): turns 0-1 share a row, turn 2 has its own
+    t.turn_contexts[2] = t.turn_contexts[2][:-1]
+    split = turn_rows_of(t)
+    start2 = t.turn_ids.index(2)
+    end1 = max(c for c, (k, m) in enumerate(zip(t.turn_ids, t.action_mask)) if k == 1 and m) + 1
+    assert split.contexts == [t.prompt_ids, t.turn_contexts[2]]
+    assert split.columns == [list(range(0, end1)), list(range(start2, len(t.completion_ids)))]
+    rows, _ = expand_turn_rows(_scored([t]), [split], PAD)
+    assert rows["tool_mask"].sum() == t.num_action_tokens  # observations inside a merged row carry no loss
+    assert rows["sequence_tokens"].tolist() == [t.num_action_tokens] * 2
+
+
 def test_registry_round_trip_and_trajectory_mini_batches():
     rng = random.Random(1)
     trajs = [_trajectory(rng, 3, rng.randint(1, 3)) for _ in range(4)]
     batch = _scored(trajs)
-    registry = TurnRowRegistry()
+    registry = TurnRowRegistry(merge=False)
     registry.register(batch, trajs)
     assert batch[TRAJECTORY_ID].tolist() == [0, 1, 2, 3]
     perm = [2, 3, 0, 1]  # the group shuffle reorders rows; the ids follow them
@@ -143,8 +166,9 @@ def test_sequence_tokens_smaller_than_the_row_is_refused():
         loss_normalizers(torch.ones(1, 4), torch.tensor([2.0]))
 
 
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("mode", AGGREGATIONS)
-def test_per_turn_rows_give_the_single_sequence_loss_and_gradient_on_a_real_forward(tiny_model_factory, mode):
+def test_per_turn_rows_give_the_single_sequence_loss_and_gradient_on_a_real_forward(tiny_model_factory, mode, merge):
     """A tiny Llama forwards both layouts; prefix contexts make the per-turn rows' log-probs those of the sequence,
     and the planner's micro-batches with their normalizers then give the same loss and the same gradient."""
     model = tiny_model_factory(hidden_size=32, num_layers=2, seed=3).float()
@@ -176,8 +200,8 @@ def test_per_turn_rows_give_the_single_sequence_loss_and_gradient_on_a_real_forw
         return total, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     whole, whole_grads = step_loss(balanced_micro_batches(batch, 2, 2))
-    rows, owner = expand_turn_rows(batch, [turn_rows_of(t) for t in trajs], PAD)
-    assert rows["completion_ids"].size(0) > len(trajs)
+    rows, owner = expand_turn_rows(batch, [turn_rows_of(t, merge=merge) for t in trajs], PAD)
+    assert rows["completion_ids"].size(0) == (len(trajs) if merge else sum(t.num_turns for t in trajs))
     minis = trajectory_mini_batches(owner, len(trajs), 1)
     split, split_grads = step_loss(balanced_micro_batches(rows, 2, 2, mini_batches=minis))
     torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)

@@ -201,8 +201,7 @@ class LayoutScorer:
             layouts = layouts - {"shared"}
         if not layouts:
             return
-        mine = [self._layout_error(name, model, input_ids, attention_mask, width, keys)
-                if run and name in layouts else (0.0, 1.0) for name in CHECKED_LAYOUTS]  # (error, tolerance) each
+        mine = self._layout_errors(layouts if run else set(), model, input_ids, attention_mask, width, keys)
         acc = self.accelerator
         table = acc.gather(torch.tensor([mine], dtype=torch.float64, device=acc.device))  # (ranks, layouts, 2)
         worst = (table[..., 0] / table[..., 1]).max(0).values.tolist()  # (layouts,) over ranks
@@ -213,29 +212,34 @@ class LayoutScorer:
                 if not getattr(self, name):
                     logger.warning(_FALLBACK_WARNINGS[name], error[k])
 
-    def _layout_error(self, layout, model, input_ids, attention_mask, width, keys) -> tuple[float, float]:
-        """(mean absolute log-prob difference between ``layout`` and compact rows, tolerance): both forwards without
-        gradient and dropout; infinite when the shared-prompt attention did not run. A leaking mask changes
-        log-probs by O(1)."""
+    def _layout_errors(self, layouts, model, input_ids, attention_mask, width, keys) -> list[tuple[float, float]]:
+        """Per name of ``CHECKED_LAYOUTS``: (mean absolute log-prob difference between that layout and compact rows,
+        tolerance), ``(0, 1)`` for a layout not in ``layouts``; infinite when the shared-prompt attention did not
+        run. All forwards without gradient and dropout; the compact reference is computed once for all layouts. A
+        leaking mask changes log-probs by O(1)."""
         rows = compact_rows(input_ids, attention_mask, width)
-        if not rows.valid.any():
-            return 0.0, 1.0
+        out = [(0.0, 1.0)] * len(CHECKED_LAYOUTS)
+        if not layouts or not rows.valid.any():
+            return out
         self.checking, was_training = True, model.training
         model.eval()  # both forwards without dropout (LoRA / attention dropout would differ between them)
         try:
             with torch.no_grad():
                 plain, _ = self._forward("compact", model, input_ids, attention_mask, width, rows, keys, False)
-                try:
-                    other, _ = self._forward(layout, model, input_ids, attention_mask, width, rows, keys, False)
-                except SharedAttentionUnused:
-                    other = None
+                half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
+                for k, layout in enumerate(CHECKED_LAYOUTS):
+                    if layout not in layouts:
+                        continue
+                    try:
+                        other, _ = self._forward(layout, model, input_ids, attention_mask, width, rows, keys, False)
+                        error = float((plain - other)[rows.valid].abs().mean())
+                    except SharedAttentionUnused:
+                        error = float("inf")
+                    out[k] = (error, 5e-2 if half else 1e-3)
         finally:
             self.checking = False
             model.train(was_training)
-        half = bool(self.args.bf16 or self.args.fp16) or plain.dtype != torch.float32
-        error = float("inf") if other is None else float((plain - other)[rows.valid].abs().mean())
-        return error, (5e-2 if half else 1e-3)
-
+        return out
 
 @contextmanager
 def reference_model(trainer, reference: bool = True):

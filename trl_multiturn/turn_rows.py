@@ -33,40 +33,68 @@ class TurnRows:
     """Where the turns of one trajectory lie.
 
     Attributes:
-        contexts: K id lists, ``contexts[k]`` the context turn k was generated from (``Trajectory.turn_contexts``).
-        columns: K lists, ``columns[k]`` the completion columns (in the trajectory's single-sequence row) of the
-            tokens sampled in turn k, in order.
+        contexts: one id list per row, the context its first turn was generated from (``Trajectory.turn_contexts``).
+        columns: one list per row, the completion columns (in the trajectory's single-sequence row) the row trains
+            on, in order: the tokens sampled in its turn, or, for turns merged into one row (:func:`turn_rows_of`),
+            everything from its first sampled token to its last, observations included with loss mask 0.
     """
 
     contexts: list[list[int]]
     columns: list[list[int]]
 
 
-def turn_rows_of(traj: Trajectory) -> TurnRows | None:
+def turn_rows_of(traj: Trajectory, merge: bool = True) -> TurnRows | None:
     """The :class:`TurnRows` of a per-turn trajectory; None when it has no turn contexts (one row stays one row).
-    A turn that sampled no token (possible only with an empty action) contributes no row."""
+
+    With ``merge`` (the default), consecutive turns whose contexts nest share one row: when ``c_{k+1}`` is exactly
+    ``c_k`` followed by the trajectory's own tokens from the start of ``a_k`` (``a_k`` and the observation after it),
+    turn k+1 is the continuation of turn k's row, whose completion then spans both turns (the observation between them
+    with loss mask 0). The log-probs are the same (a causal model conditions each token on the same ids) and the
+    shared prefix is computed once; a template that keeps the prefix property gives back the single sequence, a
+    thinking template splits where it drops a ``<think>`` block, a context function where it rewrites an
+    observation. A turn that sampled no token contributes no row."""
     if not traj.turn_contexts:
         return None
-    columns: list[list[int]] = [[] for _ in range(traj.num_turns)]
+    starts: list[int | None] = [None] * traj.num_turns  # first completion column of each action
+    ends = [0] * traj.num_turns  # one past its last sampled column
     for c, (k, m) in enumerate(zip(traj.turn_ids, traj.action_mask)):
         if m:
-            columns[k].append(c)
-    pairs = [(ctx, cols) for ctx, cols in zip(traj.turn_contexts, columns) if cols]
-    if not pairs:
-        return None
-    return TurnRows(contexts=[list(ctx) for ctx, _ in pairs], columns=[cols for _, cols in pairs])
+            starts[k] = c if starts[k] is None else starts[k]
+            ends[k] = c + 1
+    contexts: list[list[int]] = []
+    columns: list[list[int]] = []
+    first = None  # (context, start column) of the row being extended
+    for k, ctx in enumerate(traj.turn_contexts):
+        if starts[k] is None:
+            continue
+        nests = (merge and first is not None
+                 and list(ctx) == first[0] + traj.completion_ids[first[1] : starts[k]])
+        if nests:
+            columns[-1] = list(range(first[1], ends[k]))  # the row now runs to the end of turn k
+        else:
+            first = (list(ctx), starts[k])
+            contexts.append(list(ctx))
+            columns.append(list(range(starts[k], ends[k])))
+    return TurnRows(contexts=contexts, columns=columns) if contexts else None
 
 
-def _row_plan(batch: dict, rows_of: Sequence[TurnRows | None]) -> list[tuple[int, list[int], list[int]]]:
-    """``(source row b, context ids, completion columns)`` of every output row, trajectories in order."""
+def _row_plan(batch: dict, rows_of: Sequence[TurnRows | None]) -> list[tuple[int, list[int], list[int], list[int]]]:
+    """``(source row b, prompt ids, context ids moved into the completion, completion columns)`` of every output row,
+    trajectories in order. A context that starts with the trajectory's prompt keeps that prompt as the row's prompt
+    and the rest of the context becomes the head of its completion (loss mask 0): every row of a GRPO group then has
+    the group's prompt, which the shared-prompt forward computes once for all of them."""
     prompt_ids, prompt_mask, completion_mask = batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"]
     plan = []
     for b, turns in enumerate(rows_of):
+        prompt = prompt_ids[b][prompt_mask[b].bool()].tolist()
         if turns is None:  # the single-sequence row unchanged: its prompt without padding, every real column
-            prompt = prompt_ids[b][prompt_mask[b].bool()].tolist()
-            plan.append((b, prompt, torch.nonzero(completion_mask[b], as_tuple=False).flatten().tolist()))
+            plan.append((b, prompt, [], torch.nonzero(completion_mask[b], as_tuple=False).flatten().tolist()))
             continue
-        plan.extend((b, ctx, cols) for ctx, cols in zip(turns.contexts, turns.columns))
+        for ctx, cols in zip(turns.contexts, turns.columns):
+            if len(ctx) > len(prompt) and ctx[: len(prompt)] == prompt:
+                plan.append((b, prompt, ctx[len(prompt) :], cols))
+            else:
+                plan.append((b, ctx, [], cols))
     return plan
 
 
@@ -81,29 +109,36 @@ def expand_turn_rows(batch: dict, rows_of: Sequence[TurnRows | None], pad_token_
         pad_token_id: padding of the new prompts and completions.
 
     Returns:
-        ``(rows, owner)``: the dict with R >= B rows in the same layout (prompts = contexts, left-padded; completions
-        = the turn's sampled ids, right-padded; per-token tensors cut at the same columns, 0 on padding;
-        per-trajectory tensors repeated), plus ``sequence_tokens`` (R,) N_g of each row's trajectory; and ``owner``,
-        R source rows b, non-decreasing.
+        ``(rows, owner)``: the dict with R >= B rows in the same layout (prompts = the trajectory's prompt, or the
+        context when it does not start with it, left-padded; completions = the rest of the context, then the row's
+        columns of the trajectory, right-padded; per-token tensors cut at the same columns, 0 on the moved context
+        and on padding, so the moved context carries no loss; per-trajectory tensors repeated), plus
+        ``sequence_tokens`` (R,) N_g of each row's trajectory; and ``owner``, R source rows b, non-decreasing.
     """
     n, width = batch["completion_ids"].shape  # B, C
     if len(rows_of) != n:
         raise ValueError(f"internal: {len(rows_of)} turn plans for a rollout of {n} rows")
     plan = _row_plan(batch, rows_of)
-    owner = [b for b, _, _ in plan]
+    owner = [b for b, _, _, _ in plan]
     source = torch.tensor(owner, dtype=torch.long)  # (R,)
-    p_w = max(len(ctx) for _, ctx, _ in plan)
-    c_w = max(1, max(len(cols) for _, _, cols in plan))
+    p_w = max(len(prompt) for _, prompt, _, _ in plan)
+    c_w = max(1, max(len(head) + len(cols) for _, _, head, cols in plan))
     cols = torch.zeros((len(plan), c_w), dtype=torch.long)  # (R, C') source column of each new column
-    valid = torch.zeros((len(plan), c_w), dtype=torch.bool)  # (R, C') a real column
+    valid = torch.zeros((len(plan), c_w), dtype=torch.bool)  # (R, C') a column taken from the trajectory
+    head_ids = torch.full((len(plan), c_w), pad_token_id, dtype=torch.long)  # (R, C') context ids moved to the head
+    is_head = torch.zeros((len(plan), c_w), dtype=torch.bool)  # (R, C')
     prompts = torch.full((len(plan), p_w), pad_token_id, dtype=torch.long)  # (R, P')
     prompt_mask = torch.zeros((len(plan), p_w), dtype=torch.long)  # (R, P')
-    for r, (_, ctx, c) in enumerate(plan):
-        cols[r, : len(c)] = torch.tensor(c, dtype=torch.long)
-        valid[r, : len(c)] = True
-        if ctx:
-            prompts[r, p_w - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
-            prompt_mask[r, p_w - len(ctx) :] = 1
+    for r, (_, prompt, head, c) in enumerate(plan):
+        h = len(head)
+        if h:
+            head_ids[r, :h] = torch.tensor(head, dtype=torch.long)
+            is_head[r, :h] = True
+        cols[r, h : h + len(c)] = torch.tensor(c, dtype=torch.long)
+        valid[r, h : h + len(c)] = True
+        if prompt:
+            prompts[r, p_w - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            prompt_mask[r, p_w - len(prompt) :] = 1
     loss_tokens = (batch["completion_mask"] * batch["tool_mask"]).sum(dim=1)  # (B,) N_g
 
     out: dict = {}
@@ -122,6 +157,10 @@ def expand_turn_rows(batch: dict, rows_of: Sequence[TurnRows | None], pad_token_
             fill = pad_token_id if key == "completion_ids" else 0
             mask = valid.to(value.device).view(len(plan), c_w, *([1] * (value.dim() - 2)))
             rows = torch.where(mask, gathered, torch.full_like(gathered, fill))  # (R, C', ...)
+            if key == "completion_ids":  # the context moved into the completion: attended, never trained
+                rows = torch.where(is_head.to(value.device), head_ids.to(value.device), rows)
+            elif key == "completion_mask":
+                rows = torch.where(is_head.to(value.device), torch.ones_like(rows), rows)
         out[key] = rows
     device = batch["prompt_ids"].device
     out["prompt_ids"], out["prompt_mask"] = prompts.to(device), prompt_mask.to(device)
@@ -152,15 +191,16 @@ class TurnRowRegistry:
     scored rollout carries a :data:`TRAJECTORY_ID` (B,) column through TRL's scoring, dynamic sampling's merge and
     the group shuffle, and :meth:`expand` reads it back."""
 
-    def __init__(self) -> None:
+    def __init__(self, merge: bool = True) -> None:
         self._rows: dict[int, TurnRows | None] = {}
         self._next = 0
+        self.merge = merge
 
     def register(self, output: dict, trajs: Sequence[Trajectory]) -> None:
         """Give each trajectory an id and add the (B,) id column to ``output``, TRL's scored rollout."""
         ids = list(range(self._next, self._next + len(trajs)))
         self._next += len(trajs)
-        self._rows.update((i, turn_rows_of(t)) for i, t in zip(ids, trajs))
+        self._rows.update((i, turn_rows_of(t, self.merge)) for i, t in zip(ids, trajs))
         output[TRAJECTORY_ID] = torch.tensor(ids, dtype=torch.long, device=output["completion_ids"].device)  # (B,)
 
     def expand(self, batch: dict, pad_token_id: int) -> tuple[dict, list[int]]:

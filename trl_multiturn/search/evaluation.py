@@ -186,8 +186,13 @@ def evaluate_search_agent(
     num_samples: int = 0,
     sampling: SamplingParams | None = None,
     seed: int = 0,
+    turn_layout: str = "sequence",
+    context_fn: Callable[[list[dict]], list[dict]] | None = None,
 ) -> dict[str, Any]:
     """Greedy multi-turn evaluation on ``rows`` (dicts with ``question``, ``golden_answers`` and optional ``hops``).
+
+    ``turn_layout`` and ``context_fn``: as the training run's (``RolloutConfig``): a policy trained per turn with a
+    context function is evaluated with the contexts it was trained on (``trl_multiturn.context.context_policy``).
 
     With ``num_samples=k >= 2``, each question is also rolled out k times with ``sampling`` (the training
     temperature / top-p / top-k; default ``SamplingParams()``, temperature 1) from a ``torch.Generator`` seeded with
@@ -212,6 +217,8 @@ def evaluate_search_agent(
             max_completion_length=max_completion_length,
             max_tokens_per_turn=max_tokens_per_turn,
             max_context_length=getattr(getattr(model, "config", None), "max_position_embeddings", None),
+            turn_layout=turn_layout,
+            context_fn=context_fn,
         ),
     )
     was_training = model.training
