@@ -35,11 +35,13 @@ def _train(tmp_path, tiny_model_factory, tokenizer, layout, **overrides):
     return trainer, rec
 
 
-@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize("aggregation, budget", [("seq-mean-token-mean", None), ("token-mean", None),
+                                                 ("seq-mean-token-mean", 200)])
 def test_per_turn_rows_train_exactly_what_the_sequence_trains_when_the_prefix_property_holds(
-        tmp_path, smollm2_tokenizer, tiny_model_factory, aggregation):
-    seq, seq_rec = _train(tmp_path, tiny_model_factory, smollm2_tokenizer, "sequence", loss_aggregation=aggregation)
-    per, per_rec = _train(tmp_path, tiny_model_factory, smollm2_tokenizer, "per_turn", loss_aggregation=aggregation)
+        tmp_path, smollm2_tokenizer, tiny_model_factory, aggregation, budget):
+    kw = dict(loss_aggregation=aggregation, max_tokens_per_micro_batch=budget)  # budget: token-budget micro-batches
+    seq, seq_rec = _train(tmp_path, tiny_model_factory, smollm2_tokenizer, "sequence", **kw)
+    per, per_rec = _train(tmp_path, tiny_model_factory, smollm2_tokenizer, "per_turn", **kw)
     for a, b in zip(seq_rec.rollouts[0], per_rec.rollouts[0]):  # the same trajectories, sampled from the same contexts
         assert a.completion_ids == b.completion_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
         assert b.turn_contexts == [b.input_ids[: len(b.prompt_ids) + a.turn_ids.index(k)] for k in range(b.num_turns)]
@@ -109,6 +111,7 @@ def test_a_thinking_template_trains_each_turn_on_the_context_it_was_generated_fr
     second_turn_contexts = [tok.decode(ctx) for t in trajs for ctx, _, _ in t.turn_rows()[1:]]
     assert second_turn_contexts and all("I should look it up" not in c for c in second_turn_contexts)
     assert "I should look it up" in tok.decode(trajs[0].input_ids)  # the single sequence keeps it
+    assert trainer._sharing_checked is True  # the group's rows went through the shared-prompt forward, checked exact
     assert logged(trainer, "loss/ratio_min") == [1.0] and logged(trainer, "loss/ratio_max") == [1.0]
     assert logged(trainer, "grad_norm")[0] > 0
     assert all(torch.isfinite(c["ref_per_token_logps"]).all() for c in trainer._buffered_inputs)
