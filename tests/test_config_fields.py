@@ -138,6 +138,14 @@ def test_template_check_takes_warn_error_or_off(tmp_path):
         config(tmp_path, template_check="ignore")
 
 
+def test_turn_reward_gate_takes_none_or_finished(tmp_path):
+    """``turn_reward_gate`` (what it does: tests/test_rollout.py and tests/test_trainer_rewards.py)."""
+    assert config(tmp_path).turn_reward_gate == "none"
+    assert config(tmp_path, turn_reward_gate="finished").turn_reward_gate == "finished"
+    with pytest.raises(ValueError, match="turn_reward_gate='answered' is not valid; use 'none' \\(default\\) or 'finished'"):
+        config(tmp_path, turn_reward_gate="answered")
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [

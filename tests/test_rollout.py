@@ -402,3 +402,38 @@ def test_chat_turn_cut_without_eos_is_invalid_and_closed(smollm2_tokenizer):
         assert "Invalid. Use the tags." in obs
     finally:
         tok.chat_template = original
+
+
+class HitEnv(SearchLikeEnv):
+    """SearchLikeEnv whose searches earn 0.5 each (a shaping reward such as a retrieval hit)."""
+
+    def step(self, action):
+        step = super().step(action)
+        if action.kind == "tool":
+            step.reward = 0.5
+        return step
+
+
+@pytest.mark.parametrize("gate", ["none", "finished"])
+def test_turn_reward_gate_zeroes_the_turn_rewards_of_trajectories_that_never_answered(smollm2_tokenizer, gate):
+    tok = smollm2_tokenizer
+    answered_gen = ReplayGenerator(tok, ["<search>a</search>", "<answer>Paris</answer>"])
+    (answered,) = make_rollout(HitEnv, tok, turn_reward_gate=gate).run([{"q": "x"}], answered_gen, SamplingParams())
+    assert answered.info["stop_reason"] == "answer" and answered.turn_rewards == [0.5, 1.0]  # kept either way
+    assert "gated_turn_rewards" not in answered.info
+    for cfg in (dict(max_turns=3), dict(max_completion_length=30)):  # out of turns; out of tokens
+        gen = ReplayGenerator(tok, ["<search>again</search>"])
+        (t,) = make_rollout(HitEnv, tok, turn_reward_gate=gate, **cfg).run([{"q": "x"}], gen, SamplingParams())
+        assert t.info["stop_reason"] in ("max_turns", "max_tokens") and t.num_turns >= 2
+        earned = [0.5] * (t.num_turns - (t.info["stop_reason"] == "max_tokens"))
+        earned += [0.0] * (t.num_turns - len(earned))
+        if gate == "none":
+            assert t.turn_rewards == earned and "gated_turn_rewards" not in t.info
+        else:
+            assert t.turn_rewards == [0.0] * t.num_turns and t.info["gated_turn_rewards"] == earned
+        t.validate()
+
+
+def test_turn_reward_gate_is_validated():
+    with pytest.raises(ValueError, match="turn_reward_gate must be one of"):
+        RolloutConfig(turn_reward_gate="answered")

@@ -124,3 +124,38 @@ def test_turn_level_advantages_leave_dropped_trajectories_out_of_the_baseline(tm
     assert all(math.isfinite(trajs[r].reward) for r in kept)
     assert expected[kept].abs().sum() > 0  # a real signal in the kept group
     torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "mt-grpo"])
+def test_turn_reward_gate_finished_leaves_trajectories_that_never_answered_their_outcome_alone(
+        tmp_path, smollm2_tokenizer, tiny_model_factory, mode):
+    """TurnRewardEnv never ends an episode: every trajectory stops at max_turns or the token budget, so with
+    turn_reward_gate='finished' no per-turn reward reaches the reward table, the reward functions or the advantages."""
+    seen = []
+
+    def env_seen(completions, env_reward, turn_rewards, **kwargs):
+        seen.append((list(env_reward), [list(r) for r in turn_rewards]))
+        return [0.0] * len(completions)
+
+    args = make_args(tmp_path, max_steps=1, turn_reward_gate="finished", turn_advantage=mode)
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(), args=args, train_dataset=dataset(), environment_factory=TurnRewardEnv,
+        reward_funcs=[vowel_reward, env_seen], processing_class=smollm2_tokenizer,
+    )
+    rec = Recorder(trainer)
+    trainer.train()
+    (trajs,), (batch,) = rec.rollouts, rec.batches
+    assert all(t.info["stop_reason"] in ("max_turns", "max_tokens") for t in trajs)
+    assert all(sum(t.info["gated_turn_rewards"]) > 0 for t in trajs)  # the environment did pay them
+    assert all(t.turn_rewards == [0.0] * t.num_turns for t in trajs)
+    ((env_rewards, turn_rewards),) = seen
+    assert env_rewards == [0.0] * len(trajs) and all(set(r) == {0.0} for r in turn_rewards)
+    vowels = torch.tensor(vowel_reward([smollm2_tokenizer.decode(t.completion_ids, skip_special_tokens=True)
+                                        for t in trajs], None))
+    assert [t.reward for t in trajs] == pytest.approx(vowels.tolist(), rel=1e-5, abs=1e-6)
+    expected = group_advantages(vowels, 4, eps=args.advantage_eps)  # (B,) the outcome alone
+    adv = batch["advantages"]
+    if adv.dim() == 2:  # per token: every sampled token of trajectory b carries expected[b]
+        sampled = [torch.tensor(t.action_mask, dtype=torch.bool) for t in trajs]
+        adv = torch.stack([row[: len(m)][m].unique() for row, m in zip(adv, sampled)]).squeeze(-1)  # one per row
+    torch.testing.assert_close(adv, expected, rtol=1e-4, atol=1e-5)

@@ -283,6 +283,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
     turn_advantage (`str`, defaults to `"trajectory"`): "trajectory", "mt-grpo" or "discounted".
     turn_advantage_gamma (`float`, defaults to `1.0`): discount for "discounted".
     turn_advantage_weight (`float`, defaults to `1.0`): weight of the turn-level term for "mt-grpo".
+    turn_reward_gate (`str`, defaults to `"none"`): "finished" zeroes the per-turn rewards of trajectories that did
+        not answer (out of turns or tokens).
     advantage_eps (`float`, defaults to `1e-6`): epsilon in `(r - mean) / (std + eps)` (VeRL's value).
 
     > Parameters that control dynamic sampling (DAPO)
@@ -402,6 +404,15 @@ class MultiTurnGRPOConfig(GRPOConfig):
     )
     turn_advantage_weight: float = field(
         default=1.0, metadata={"help": "Weight of the turn-level advantage term for 'mt-grpo' and 'discounted'."}
+    )
+    turn_reward_gate: str = field(
+        default="none",
+        metadata={
+            "help": "'none' or 'finished': with 'finished', the environment's per-turn rewards of a trajectory that "
+            "did not end by answering (or by the environment's done), i.e. ran out of turns or tokens, are set to 0 "
+            "before rewards and advantages are computed. A shaping reward (e.g. a retrieval hit) then never pays a "
+            "trajectory that produced no answer."
+        },
     )
     advantage_eps: float = field(
         default=1e-6, metadata={"help": "Epsilon in (r - mean_G) / (std_G + eps), as VeRL."}
@@ -546,6 +557,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
             ("on_long_prompt", self.on_long_prompt in ("error", "skip"), "'error' or 'skip'"),
             ("template_check", self.template_check in ("warn", "error", "off"), "'warn', 'error' or 'off'"),
             ("turn_layout", self.turn_layout in ("sequence", "per_turn"), "'sequence' (default) or 'per_turn'"),
+            ("turn_reward_gate", self.turn_reward_gate in ("none", "finished"), "'none' (default) or 'finished'"),
             ("keep_last_observations", self.keep_last_observations is None or self.keep_last_observations >= 0,
              "None (off) or an int >= 0, e.g. 2"),
             ("truncate_observations", self.truncate_observations is None or self.truncate_observations >= 1,

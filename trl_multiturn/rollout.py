@@ -126,6 +126,11 @@ class _EnvRunner:
 TURN_LAYOUTS = ("sequence", "per_turn")
 
 
+#: ``RolloutConfig.turn_reward_gate`` values; the stop reasons of a trajectory that finished.
+TURN_REWARD_GATES = ("none", "finished")
+FINISHED = ("answer", "done")
+
+
 @dataclass
 class RolloutConfig:
     """Limits of one rollout (filled from ``MultiTurnGRPOConfig``).
@@ -133,6 +138,9 @@ class RolloutConfig:
     ``turn_layout`` is ``"sequence"`` (each turn generated from the single sequence so far) or ``"per_turn"`` (each
     turn generated from its own rendered context, recorded in ``Trajectory.turn_contexts``); ``context_fn`` (per-turn
     only) maps the message history to the messages the next turn sees (:mod:`trl_multiturn.context`).
+    ``turn_reward_gate`` is ``"none"`` (every per-turn reward kept) or ``"finished"``: a trajectory that did not end
+    by answering or by the environment's ``done`` (out of turns, out of tokens) has its per-turn rewards set to 0,
+    the rewards it earned kept in ``info["gated_turn_rewards"]``.
     """
 
     max_turns: int = 4
@@ -144,10 +152,13 @@ class RolloutConfig:
     on_long_prompt: str = "error"
     turn_layout: str = "sequence"
     context_fn: Callable[[list[dict]], list[dict]] | None = None
+    turn_reward_gate: str = "none"
 
     def __post_init__(self):
         if self.turn_layout not in TURN_LAYOUTS:
             raise ValueError(f"turn_layout must be one of {TURN_LAYOUTS}; got {self.turn_layout!r}.")
+        if self.turn_reward_gate not in TURN_REWARD_GATES:
+            raise ValueError(f"turn_reward_gate must be one of {TURN_REWARD_GATES}; got {self.turn_reward_gate!r}.")
         if self.context_fn is not None and not callable(self.context_fn):
             raise ValueError(
                 f"context_fn must be a callable (messages -> messages) or None; got {type(self.context_fn).__name__}."
@@ -296,6 +307,11 @@ class MultiTurnRollout:
         for i, d in enumerate(st.done):
             if not d:
                 trajs[i].info["stop_reason"] = "max_turns"
+        if cfg.turn_reward_gate == "finished":
+            for t in trajs:
+                if t.info.get("stop_reason") not in FINISHED and any(t.turn_rewards):
+                    t.info["gated_turn_rewards"] = list(t.turn_rewards)
+                    t.turn_rewards = [0.0] * len(t.turn_rewards)
         for t in trajs:
             if not t.completion_ids:  # TRL needs at least one completion token; a masked EOS carries no loss
                 t.add_observation([tok.eos_token_id])

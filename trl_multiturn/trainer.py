@@ -137,7 +137,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             max_context_length=getattr(getattr(self.model, "config", None), "max_position_embeddings", None),
             raise_on_env_error=args.raise_on_env_error, on_long_prompt=args.on_long_prompt,
             turn_layout=args.turn_layout, context_fn=context_policy(args, self._tokenizer, context_fn),
-        ))
+            turn_reward_gate=args.turn_reward_gate))
         self._turn_rows = TurnRowRegistry() if args.turn_layout == "per_turn" else None
         self.add_callback(_SkipEmptyUpdate(self))
         # One sampling stream per rank: ranks that hold members of the same group (prompts_per_rollout not a multiple
