@@ -1,0 +1,64 @@
+"""benchmarks/grpo_step.py end to end on a tiny random model: both trainers run one whole GRPO optimizer step on
+the same forced multi-turn work, the timed step holds the rollout, and the JSON has what the benchmark reports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_step.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("grpo_step_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # two trainers, each a whole step with a rollout: ~30 s on 2 busy cores
+def test_grpo_step_benchmark_smoke(tmp_path):
+    bench = _load_script()
+    out = tmp_path / "grpo_step.json"
+    result = bench.main([
+        "--model", "random-tiny", "--group-size", "2", "--prompts", "2", "--turns", "2",
+        "--max-completion-length", "512", "--max-think", "8", "--warmup", "0", "--steps", "1", "--repeats", "1",
+        "--threads", "1", "--out", str(out),
+    ])
+
+    saved = json.loads(out.read_text())
+    assert saved["benchmark"] == "grpo_step"
+    (rnd,) = saved["rounds"]
+    assert set(rnd) == {"trl", "ours"}
+    for side in ("trl", "ours"):
+        r = rnd[side]
+        assert len(r["step_s"]) == 1 and r["step_s"][0] > 0
+        assert r["rollout_inside_step"], f"{side}: the timed step does not hold the rollout"
+        assert r["step_s"][0] >= r["rollout_s"][0] > 0
+        assert r["first_step_loss"] is not None and abs(r["first_step_loss"]) < 1e-3  # on-policy: ~0
+        assert r["train_forward_positions_per_step"] > 0
+        assert r["config"]["per_device_train_batch_size"] == 2 and r["config"]["gradient_accumulation_steps"] == 2
+        assert r["config"]["steps_per_generation"] == 2 and r["config"]["num_iterations"] == 1
+    # the same work: 2 prompts x G=2 trajectories of 2 turns each, the same generated tokens and token ids
+    trl, ours = rnd["trl"]["per_step"][0], rnd["ours"]["per_step"][0]
+    assert trl["trajectories"] == ours["trajectories"] == 4
+    assert trl["turns"] == ours["turns"] == 8
+    assert trl["generated_tokens"] == ours["generated_tokens"] > 0
+    assert trl["observation_tokens"] == ours["observation_tokens"] > 0
+    assert trl["trained_tokens"] == ours["trained_tokens"]
+    assert saved["same_work"] and saved["identical_token_ids"]
+    assert set(saved["config_differences_trl_ours"]) <= {"loss_aggregation", "trainable_parameters"}
+    # what the benchmark reports
+    assert len(saved["step_ratio_trl_over_ours_per_round"]) == 1 and saved["step_ratio_trl_over_ours_median"] > 0
+    assert saved["first_step"][0]["loss_near_zero"]
+    assert saved["threads"] == {"torch": 1, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    assert {"torch", "trl", "transformers"} <= set(saved["versions"])
+    assert saved["command"].startswith("python benchmarks/grpo_step.py --model random-tiny")
+    assert saved["machine"]["cpu_count"] >= 1
+    assert result["median"]["trl"]["generated_tokens_per_step"] == result["median"]["ours"]["generated_tokens_per_step"]
