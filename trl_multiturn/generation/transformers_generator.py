@@ -6,6 +6,7 @@ The design is described in the package docstring (``trl_multiturn/generation/__i
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -93,6 +94,23 @@ class _Batch:
         return self.attention.shape[1]
 
 
+def _timed(key: str):
+    """Adds the seconds a method spends to ``self.stats[key]``."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self.stats[key] += time.perf_counter() - t0
+
+        return timed
+
+    return wrap
+
+
 class TransformersGenerator:
     """Batched sampling with a transformers model, K/V kept per trajectory across turns (see the package docstring).
 
@@ -152,8 +170,11 @@ class TransformersGenerator:
             "prefill_calls": 0,
             "generated_tokens": 0,
             "kv_copied_tokens": 0,  # row-tokens of K/V copied when rows joined or left a batch
-            "forward_s": 0.0,
-            "sample_s": 0.0,
+            "forward_s": 0.0,  # inside the model's forward (prefill and decode)
+            "decode_forward_s": 0.0,  # the decode steps' share of forward_s
+            "sample_s": 0.0,  # sampling: logits processing, log-softmax, the draw
+            "kv_s": 0.0,  # cache bookkeeping: restacking K/V when rows join or leave, restoring a session's cache
+            "step_s": 0.0,  # inside step(): all of the above plus stop checks and the Python between them
         }
 
     def new_session(self) -> GenerationSession:
@@ -207,6 +228,13 @@ class TransformersGenerator:
         Queued requests join first (their new tokens are prefilled in one forward and their K/V merged into the
         running batch). Rows whose turn ends leave the batch in the same step; their K/V go to their sessions.
         """
+        t_step = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats["step_s"] += time.perf_counter() - t_step
+
+    def _step(self) -> list[tuple[Any, GenerationOutput]]:
         done = [(r.key, r.output) for r in self._ready]
         self._ready = []
         if not self.kv_reuse:
@@ -328,6 +356,8 @@ class TransformersGenerator:
             leader.output.cached_tokens -= n
         reserve = min(max(r.max_new_tokens for r in requests), 1024) + 1
         layers = self._past_layers(requests, past, p, q + reserve) if p > 0 else None
+        for r in requests:  # their cached K/V now live in the batch's buffers; a second copy would double the cache
+            r.session.kv, r.session.cached_ids = None, []
         if layers is None:
             n_layers = self._num_layers()
             layers = [_BufferLayer(reserve=reserve) for _ in range(n_layers)]
@@ -387,6 +417,7 @@ class TransformersGenerator:
         base = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
         return base.config.get_text_config(decoder=True).num_hidden_layers
 
+    @_timed("kv_s")
     def _past_layers(self, requests: list[_Request], past: list[int], p: int, extra: int) -> list[_BufferLayer]:
         """Buffers holding, for each row, its first ``past[j]`` cached tokens right-aligned at column ``p``."""
         ref = next(r.session.kv for r, pj in zip(requests, past) if pj > 0)
@@ -403,6 +434,7 @@ class TransformersGenerator:
         self.stats["kv_copied_tokens"] += sum(past)
         return layers
 
+    @_timed("kv_s")
     def _merge(self, a: _Batch | None, b: _Batch) -> _Batch:
         """Rows of ``a`` then rows of ``b`` in one batch, trimmed to the longest row."""
         if a is None or not a.rows:
@@ -419,6 +451,7 @@ class TransformersGenerator:
         self.stats["kv_copied_tokens"] += sum(r.length for r in rows)
         return _Batch(rows=rows, layers=layers, attention=attention, logits=torch.cat([a.logits, b.logits], dim=0))
 
+    @_timed("kv_s")
     def _leave(self, batch: _Batch, keep: list[int]) -> None:
         """Store the K/V of the rows not in ``keep`` in their sessions and rebuild the batch from the kept rows."""
         w_old = batch.width
@@ -469,6 +502,7 @@ class TransformersGenerator:
             **{_CACHE_KWARG: _make_cache(batch.layers)},
         )
         self.stats["forward_s"] += time.perf_counter() - t0
+        self.stats["decode_forward_s"] += time.perf_counter() - t0
         self.stats["decode_steps"] += 1
         self.stats["decode_positions"] += a
         for r in batch.rows:
@@ -580,6 +614,7 @@ class TransformersGenerator:
                 **{_CACHE_KWARG: past},
             )
             self.stats["forward_s"] += time.perf_counter() - t0
+            self.stats["decode_forward_s"] += time.perf_counter() - t0
             self.stats["decode_steps"] += 1
             self.stats["decode_positions"] += len(active)
             past = _cache_of(out)
