@@ -73,11 +73,13 @@ def test_expand_turn_rows_cuts_each_turn_and_repeats_the_trajectory():
             assert prompt + completion == t.turn_contexts[k] + sampled  # the row is the context, then turn k's ids
             loss = rows["tool_mask"][r][rows["completion_mask"][r].bool()].tolist()
             assert loss == [0] * head + [1] * len(sampled)  # the moved context carries no loss
+            assert rows["context_tokens"][r] == head  # counted apart (perf/completion_token_frac leaves it out)
             cols = [c for c, (tid, m) in enumerate(zip(t.turn_ids, t.action_mask)) if tid == k and m]
             expected = [0.0] * head + [float(c + 100 * b) for c in cols]  # per-token tensors cut at the same columns
             assert rows["sampling_per_token_logps"][r, : head + len(cols)].tolist() == expected
         else:
             assert prompt == [5, 6] and completion == [9] and rows["tool_mask"][r].sum() == 0
+            assert rows["context_tokens"][r] == 0
         assert rows["advantages"][r] == batch["advantages"][b]  # per trajectory: repeated
         assert rows["sequence_tokens"][r] == trajs[b].num_action_tokens  # N_g over all its rows
     assert sequence_shares(rows["completion_mask"] * rows["tool_mask"], rows["sequence_tokens"]).tolist()[:4] == \
@@ -207,3 +209,19 @@ def test_per_turn_rows_give_the_single_sequence_loss_and_gradient_on_a_real_forw
     for a, b in zip(split_grads, whole_grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     assert any(float(g.abs().sum()) > 0 for g in whole_grads)  # the gradient is not trivially 0
+
+
+def test_completion_token_frac_leaves_out_the_moved_context():
+    from accelerate import Accelerator
+
+    from trl_multiturn import metrics
+
+    rng = random.Random(3)
+    t = _trajectory(rng, 4, 3)
+    rows, _ = expand_turn_rows(_scored([t]), [turn_rows_of(t, merge=False)], PAD)
+    logged = {"perf/useful_token_frac": [], "perf/completion_token_frac": []}
+    processed = int(rows["completion_mask"].numel() + rows["prompt_mask"].numel())
+    metrics.log_padding(logged, [(processed, processed)], [rows], Accelerator(cpu=True))
+    added = int(rows["completion_mask"].sum()) - sum(len(c) - len(t.prompt_ids) for c in t.turn_contexts)
+    assert added == sum(len(cols) for cols in (turn_rows_of(t, merge=False).columns))  # the turns' own columns
+    assert logged["perf/completion_token_frac"] == [pytest.approx(added / processed)]

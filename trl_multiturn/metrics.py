@@ -148,11 +148,14 @@ def log_micro_batches(metrics: dict, chunks: list[dict], accum: int, max_tokens:
     return True
 
 
-def log_padding(metrics: dict, counts: list[tuple[int, int]], completion_tokens: float, accelerator) -> None:
+def log_padding(metrics: dict, counts: list[tuple[int, int]], chunks: list[dict], accelerator) -> None:
     """``perf/useful_token_frac`` = real tokens / tokens processed and ``perf/completion_token_frac`` = completion
-    tokens / tokens processed, over the rollout's micro-batches of every process (``counts``: ``(processed, real)``
-    per micro-batch, ``trl_multiturn.batching.chunk_tokens``)."""
-    local = [sum(r for _, r in counts), completion_tokens, sum(p for p, _ in counts)]
+    tokens / tokens processed, over the rollout's micro-batches ``chunks`` of every process (``counts``:
+    ``(processed, real)`` per micro-batch, ``trl_multiturn.batching.chunk_tokens``). Per-turn rows
+    (``trl_multiturn.turn_rows``) carry ``context_tokens``: the context moved into their completions is not counted."""
+    completion = sum(float(c["completion_mask"].sum()) - (float(c["context_tokens"].sum()) if "context_tokens" in c
+                                                          else 0.0) for c in chunks)
+    local = [sum(r for _, r in counts), completion, sum(p for p, _ in counts)]
     totals = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), reduction="sum")
     processed = totals[2].clamp(min=1)
     metrics["perf/useful_token_frac"].append(float(totals[0] / processed))

@@ -292,8 +292,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             if self._turn_rows is not None and self.beta != 0.0:  # TRL scored the reference on whole sequences
                 self._score_old_logps(chunks, key="ref_per_token_logps")
             counts = [chunk_tokens(c, *self._scorer.planned_layouts()) for c in chunks]  # (processed, real)
-            completion = sum(float(c["completion_mask"].sum()) for c in chunks)
-            metrics.log_padding(self._metrics["train"], counts, completion, self.accelerator)
+            metrics.log_padding(self._metrics["train"], counts, chunks, self.accelerator)
             self._buffered_inputs = chunks
         return self._buffered_inputs[self._step % steps]
 

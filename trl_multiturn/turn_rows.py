@@ -113,7 +113,8 @@ def expand_turn_rows(batch: dict, rows_of: Sequence[TurnRows | None], pad_token_
         context when it does not start with it, left-padded; completions = the rest of the context, then the row's
         columns of the trajectory, right-padded; per-token tensors cut at the same columns, 0 on the moved context
         and on padding, so the moved context carries no loss; per-trajectory tensors repeated), plus
-        ``sequence_tokens`` (R,) N_g of each row's trajectory; and ``owner``, R source rows b, non-decreasing.
+        ``sequence_tokens`` (R,) N_g of each row's trajectory, ``context_tokens`` (R,) the context tokens moved into
+        each row's completion; and ``owner``, R source rows b, non-decreasing.
     """
     n, width = batch["completion_ids"].shape  # B, C
     if len(rows_of) != n:
@@ -165,6 +166,7 @@ def expand_turn_rows(batch: dict, rows_of: Sequence[TurnRows | None], pad_token_
     device = batch["prompt_ids"].device
     out["prompt_ids"], out["prompt_mask"] = prompts.to(device), prompt_mask.to(device)
     out["sequence_tokens"] = loss_tokens[source.to(loss_tokens.device)].to(torch.float32)  # (R,)
+    out["context_tokens"] = is_head.sum(dim=1).to(device=device, dtype=torch.float32)  # (R,) moved context per row
     return out, owner
 
 
