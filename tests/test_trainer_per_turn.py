@@ -6,7 +6,7 @@ trained on the context it was generated from, and a trajectory weighing the same
   (one of them off-policy).
 - With a thinking template that drops earlier ``<think>`` blocks, each trained row is (the context the turn was
   generated from, the ids sampled in that turn): turn 2's row does not see turn 1's reasoning, the ratio is exactly 1
-  on the fresh rollout, the gradient is not 0, and a KL term is scored on the same rows.
+  on the fresh rollout, and a KL term is scored on the same rows.
 """
 
 import pytest
@@ -113,7 +113,10 @@ def test_a_thinking_template_trains_each_turn_on_the_context_it_was_generated_fr
     assert "I should look it up" in tok.decode(trajs[0].input_ids)  # the single sequence keeps it
     assert trainer._sharing_checked is True  # the group's rows went through the shared-prompt forward, checked exact
     assert logged(trainer, "loss/ratio_min") == [1.0] and logged(trainer, "loss/ratio_max") == [1.0]
-    assert logged(trainer, "grad_norm")[0] > 0
+    # the two members of each group wrote the same text with opposite advantages (and the KL term is at its minimum),
+    # so the gradient is exactly 0 once identical rows share their columns; a non-zero gradient through per-turn rows
+    # with distinct members: tests/test_prefix_tree.py::test_per_turn_rows_of_a_thinking_template_share_their_earlier_turns
+    assert torch.isfinite(torch.tensor(logged(trainer, "grad_norm"))).all()
     assert all(torch.isfinite(c["ref_per_token_logps"]).all() for c in trainer._buffered_inputs)
     kl = logged(trainer, "loss/kl")
     assert len(kl) == 1 and kl[0] == pytest.approx(0.0, abs=1e-6)  # a fresh LoRA adapter: policy == reference

@@ -1,15 +1,19 @@
 """Scoring a micro-batch: the log-probs (and entropies) of its completion tokens, ``(B, C)``, in the forward layout
 that computes the fewest tokens.
 
-:class:`LayoutScorer` picks, per micro-batch, one of the layouts of ``trl_multiturn.layouts``: the shared-prompt row
-(``share_prompt_prefix``, when a prompt repeats), packed rows (``pack_sequences``, two rows or more) or compact rows
-(``compact_padding``); TRL's own ``[left-padded prompt | right-padded completion]`` forward is the trainer's fallback
-when :meth:`LayoutScorer.applies` says no. Every layout gives the log-probs of the compact rows up to float error on a
-model whose attention is the plain causal one; :meth:`LayoutScorer.verify_once` checks that once per layout on the
-model being trained (both forwards without gradient or dropout) and turns a layout off, with a warning, when it
-does not hold. The verdict is collective: every rank gathers the errors and gets the same verdict, so all ranks
-train with the same layout (under ZeRO-3 or FSDP every forward gathers weights from every rank, so the checks also
-run at the same point on every rank: :meth:`LayoutScorer.check_rollout`).
+:class:`LayoutScorer` picks, per micro-batch, one of the layouts of ``trl_multiturn.layouts``: the prefix-tree row
+(``share_prompt_prefix``, when a prompt repeats: each prompt once and, past it, every long enough prefix that rows
+share, e.g. the earlier turns that the per-turn rows of a trajectory repeat), packed rows (``pack_sequences``, two
+rows or more) or compact rows (``compact_padding``); TRL's own ``[left-padded prompt | right-padded completion]``
+forward is the trainer's fallback when :meth:`LayoutScorer.applies` says no. Every layout gives the log-probs of the
+compact rows up to float error on a model whose attention is the plain causal one; :meth:`LayoutScorer.verify_once`
+checks that once per layout on the model being trained (both forwards without gradient or dropout) and turns a
+layout off, with a warning, when it does not hold. The prefix tree is checked twice: as the shared-prompt row
+("shared", prompts only) on the first micro-batch that repeats a prompt, and again ("tree") on the first one whose
+rows share tokens past their prompt, where segments attend to more ancestors than their prompt. The verdict is
+collective: every rank gathers the errors and gets the same verdict, so all ranks train with the same layout (under
+ZeRO-3 or FSDP every forward gathers weights from every rank, so the checks also run at the same point on every
+rank: :meth:`LayoutScorer.check_rollout`).
 
 pi_old and the training pass go through the same scorer, so a fresh ratio ``pi / pi_old`` is exactly 1.
 """
@@ -17,28 +21,31 @@ pi_old and the training pass go through the same scorer, so a fresh ratio ``pi /
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 
 import torch
 
 from .batching import first_fit_decreasing
 from .layouts import (
-    compact_rows, pack_rows, prompt_completion_contiguous, prompt_keys, read_completion_columns, read_packed,
-    shared_prompt_row, shares_prompts,
+    MIN_SHARED_RUN, compact_rows, pack_rows, prefix_tree_row, prompt_completion_contiguous, prompt_keys,
+    read_completion_columns, read_packed, shares_prompts,
 )
 from .shared_attention import SharedAttentionUnused, SharedPromptPlan, install_shared_prompt_attention
 
 logger = logging.getLogger(__name__)
 
-#: the layouts with a one-time check, in the order their checks run; the scorer's attribute of each is its verdict
-CHECKED_LAYOUTS = ("packed", "shared")
+#: the layouts with a one-time check, in the order their checks run; the scorer's attribute of each is its verdict.
+#: "shared" is the prefix-tree row sharing prompts only, "tree" the same row sharing every long enough prefix.
+CHECKED_LAYOUTS = ("packed", "shared", "tree")
 _FALLBACK_WARNINGS = {
     "packed": "pack_sequences: packed and unpacked log-probs differ by %.2e (mean) on this model (its attention does "
               "not isolate sequences by position ids); training without packing.",
     "shared": "share_prompt_prefix: log-probs with each prompt computed once differ from the plain forward by %.2e "
               "(mean) on this model (its attention has more than a causal mask: sliding window, soft-capping, sinks, "
               "or it does not run through transformers' AttentionInterface); training without prompt sharing.",
+    "tree": "share_prompt_prefix: log-probs with the prefixes that rows share past their prompt computed once differ "
+            "from the plain forward by %.2e (mean) on this model; sharing prompts only.",
 }
 
 
@@ -67,6 +74,11 @@ class LayoutScorer:
     Attributes:
         packed, shared: the verdicts of ``pack_sequences`` and ``share_prompt_prefix`` on this model: None until
             checked, then True (used) or False (turned off).
+        tree: the verdict of sharing prefixes past the prompts (``share_prompt_prefix``'s prefix tree), checked on
+            the first micro-batch (or, on several processes, rollout) whose rows share one; while it is not True,
+            the rows share their prompts only.
+        min_shared: the prefix tree's shortest shared run past a prompt
+            (``trl_multiturn.layouts.MIN_SHARED_RUN``).
         checking: True while a one-time check runs its forwards (lets profilers tell them from training).
     """
 
@@ -74,7 +86,10 @@ class LayoutScorer:
         self.accelerator, self.args = accelerator, args
         self.packed: bool | None = None
         self.shared: bool | None = None
+        self.tree: bool | None = None
+        self.min_shared = MIN_SHARED_RUN
         self.checking = False
+        self._rows: dict = {}  # min_shared -> (input_ids, attention_mask, keys, width, its prefix-tree row)
 
     # ------------------------------------------------------------------ which layout
     def applies(self, attention_mask: torch.Tensor, width: int, compute_aux_loss: bool, multimodal: dict) -> bool:
@@ -94,20 +109,36 @@ class LayoutScorer:
                 compact and self.args.share_prompt_prefix and self.shared is not False)
 
     def _choose(self, model, input_ids, attention_mask, width, rows, keys, training) -> str:
-        if keys is not None and shares_prompts(keys) and self._verified("shared", model, input_ids, attention_mask,
-                                                                         width, keys, training):
-            return "shared"
-        if self.args.pack_sequences and rows.ids.size(0) >= 2 and self._verified(
-                "packed", model, input_ids, attention_mask, width, keys, training):
-            return "packed"  # a single row has nothing to pack (and pi_old and the loss must agree on every row)
+        if keys is not None and shares_prompts(keys):
+            deep = self._tree_row(input_ids, attention_mask, width, keys, self.min_shared).shares_past_prompts
+            self._verify_here({"shared", "tree"} if deep else {"shared"}, model, input_ids, attention_mask, width,
+                              keys, training)
+            if self.shared:
+                return "tree" if deep and self.tree else "shared"
+        if self.args.pack_sequences and rows.ids.size(0) >= 2:
+            self._verify_here({"packed"}, model, input_ids, attention_mask, width, keys, training)
+            if self.packed:
+                return "packed"  # a single row has nothing to pack (and pi_old and the loss must agree on every row)
         return "compact"
 
-    def _verified(self, layout, model, input_ids, attention_mask, width, keys, training) -> bool:
-        """Whether ``layout`` passed its check. Before the first training rollout a single process checks on this
-        micro-batch (packing only in training); several processes wait for :meth:`check_rollout`."""
-        if getattr(self, layout) is None and self.accelerator.num_processes == 1 and (training or layout == "shared"):
-            self.verify_once(model, input_ids, attention_mask, width, keys, {layout})
-        return bool(getattr(self, layout))
+    def _verify_here(self, layouts, model, input_ids, attention_mask, width, keys, training) -> None:
+        """Check the layouts of ``layouts`` not checked yet. A single process checks on this micro-batch (packing only
+        in training), so pi_old and the training pass of a micro-batch use the same verdict; several processes
+        wait for :meth:`check_rollout`."""
+        unchecked = {name for name in layouts if getattr(self, name) is None and (training or name != "packed")}
+        if unchecked and self.accelerator.num_processes == 1:
+            self.verify_once(model, input_ids, attention_mask, width, keys, unchecked)
+
+    def _tree_row(self, input_ids, attention_mask, width, keys, min_shared):
+        """``prefix_tree_row`` of these rows, built once per micro-batch: choosing the layout needs it, and so does the
+        forward that follows with the same tensors."""
+        last = self._rows.get(min_shared)
+        if (last is not None and last[0] is input_ids and last[1] is attention_mask and last[2] is keys
+                and last[3] == width):
+            return last[4]
+        row = prefix_tree_row(input_ids, attention_mask, width, keys, min_shared)
+        self._rows[min_shared] = (input_ids, attention_mask, keys, width, row)
+        return row
 
     # ------------------------------------------------------------------ scoring
     def score(self, model, input_ids, attention_mask, width, batch_size=None, compute_entropy=False, training=True):
@@ -137,8 +168,9 @@ class LayoutScorer:
 
     def _forward(self, layout, model, input_ids, attention_mask, width, rows, keys, compute_entropy):
         """(b, C) log-probs and entropies (or None) of the completion columns, forwarded in ``layout``."""
-        if layout == "shared":
-            return self._shared_forward(model, input_ids, attention_mask, width, keys, compute_entropy)
+        if layout in ("shared", "tree"):
+            row = self._tree_row(input_ids, attention_mask, width, keys, self.min_shared if layout == "tree" else None)
+            return self._shared_forward(model, row, compute_entropy)
         if layout == "packed":
             lengths = rows.mask.sum(1).tolist()
             capacity = sum(lengths) if varlen_attention(model) else rows.ids.size(1)  # flash kernels: one row
@@ -153,17 +185,17 @@ class LayoutScorer:
             read = lambda values: read_completion_columns(values, rows.index)  # noqa: E731
         return read(out.log_probs), (read(out.entropy) if compute_entropy else None)
 
-    def _shared_forward(self, model, input_ids, attention_mask, width, keys, compute_entropy):
-        """The shared-prompt row through the model, its attention run by ``trl_multiturn.shared_attention``; raises
-        :class:`SharedAttentionUnused` when the model's layers did not call it."""
-        row = shared_prompt_row(input_ids, attention_mask, width, keys)
+    def _shared_forward(self, model, row, compute_entropy):
+        """A prefix-tree row (``trl_multiturn.layouts.PrefixTreeRow``) through the model, its attention run by
+        ``trl_multiturn.shared_attention``; raises :class:`SharedAttentionUnused` when the model's layers did not call
+        it. Rows that share a prefix read the same output columns: the gather adds their gradients up."""
         plan = SharedPromptPlan(row.segments)
         base = unwrap(self.accelerator.unwrap_model(model))
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
         install_shared_prompt_attention(base.config.get_text_config()._attn_implementation)
         # a 4-D mask is taken as prepared by transformers' mask functions (no (L, L) mask is built); the attention
         # ignores it and uses the plan
-        no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+        no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=row.ids.device)
         with self.accelerator.autocast():
             out = model(input_ids=row.ids, attention_mask=no_mask, position_ids=row.positions, labels=row.labels,
                         fused_lm_head=True, shared_prompt_plan=plan)
@@ -174,16 +206,29 @@ class LayoutScorer:
     # ------------------------------------------------------------------ the one-time checks
     def check_rollout(self, model, batch: dict) -> None:
         """The one-time checks of the layouts still unchecked, on every rank at the same point (after the first
-        training rollout) with the same forwards. Each rank checks rows of its own rollout: the first prompt that
-        repeats (up to 4 of its rows), or its first row twice, which repeats its prompt too."""
+        training rollout) with the same forwards. Each rank checks rows of its own rollout: while sharing past the
+        prompts is unchecked, rows that share tokens past their prompt when it has some (:func:`deep_check_rows`);
+        otherwise the first prompt that repeats (up to 4 of its rows), or its first row twice, which repeats its
+        prompt too. "tree" is checked at the first rollout where some rank has such rows (the other ranks run the
+        same forwards on theirs, which do not count)."""
         a = self.args
-        wanted = {"packed": a.pack_sequences, "shared": a.share_prompt_prefix}
+        wanted = {"packed": a.pack_sequences, "shared": a.share_prompt_prefix,
+                  "tree": a.share_prompt_prefix and self.shared is not False and self.min_shared is not None}
         layouts = {name for name, on in wanted.items() if a.compact_padding and on and getattr(self, name) is None}
         if not layouts:
             return
         keys = prompt_keys(batch["prompt_ids"], batch["prompt_mask"])
-        repeated = next((k for k, n in Counter(keys).items() if n > 1), None)
-        rows = [i for i, k in enumerate(keys) if k == repeated][:4] if repeated is not None else [0, 0]
+        rows = None
+        if "tree" in layouts:  # the same on every rank (verdicts are collective), and so is this gather
+            rows = deep_check_rows(keys, batch["completion_ids"], batch["completion_mask"], self.min_shared)
+            acc = self.accelerator
+            if not int(acc.gather(torch.tensor([int(rows is not None)], device=acc.device)).sum()):
+                layouts.discard("tree")  # no rank shares past a prompt in this rollout: no check to run yet
+                if not layouts:
+                    return
+        if rows is None:
+            repeated = next((k for k, n in Counter(keys).items() if n > 1), None)
+            rows = [i for i, k in enumerate(keys) if k == repeated][:4] if repeated is not None else [0, 0]
         index = torch.tensor(rows, device=batch["prompt_ids"].device)
         input_ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], dim=1)  # (b, P+C)
         attention_mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], dim=1)  # (b, P+C)
@@ -195,30 +240,36 @@ class LayoutScorer:
     def verify_once(self, model, input_ids, attention_mask, width, keys, layouts: set[str], run: bool = True) -> None:
         """The equivalence check of every layout in ``layouts`` against compact rows, on these rows, and its verdict.
         Collective: every rank calls it with the same ``layouts`` (``run=False``: this rank has no rows to check and
-        agrees); the verdict comes from the largest error against its tolerance over all ranks."""
-        if "shared" in layouts and not full_attention(self.accelerator.unwrap_model(model)):
-            self.shared = False  # sliding-window / linear-attention layers: never shared (the same on every rank)
-            layouts = layouts - {"shared"}
+        agrees); the verdict comes from the largest error against its tolerance over the ranks that checked it, and
+        a layout that no rank could check on its rows (no completion token; "tree": rows that share nothing past
+        their prompts) stays unchecked."""
+        if layouts & {"shared", "tree"} and not full_attention(self.accelerator.unwrap_model(model)):
+            # sliding-window / linear-attention layers: never shared (the same on every rank)
+            self.shared = self.tree = False
+            layouts = layouts - {"shared", "tree"}
         if not layouts:
             return
         mine = self._layout_errors(layouts if run else set(), model, input_ids, attention_mask, width, keys)
         acc = self.accelerator
-        table = acc.gather(torch.tensor([mine], dtype=torch.float64, device=acc.device))  # (ranks, layouts, 2)
+        table = acc.gather(torch.tensor([mine], dtype=torch.float64, device=acc.device))  # (ranks, layouts, 3)
         worst = (table[..., 0] / table[..., 1]).max(0).values.tolist()  # (layouts,) over ranks
         error = table[..., 0].max(0).values.tolist()  # (layouts,)
+        checked = table[..., 2].sum(0).tolist()  # (layouts,) ranks that ran the check
         for k, name in enumerate(CHECKED_LAYOUTS):
-            if name in layouts:
+            if name in layouts and checked[k] > 0:
                 setattr(self, name, worst[k] < 1)
                 if not getattr(self, name):
                     logger.warning(_FALLBACK_WARNINGS[name], error[k])
 
-    def _layout_errors(self, layouts, model, input_ids, attention_mask, width, keys) -> list[tuple[float, float]]:
+    def _layout_errors(self, layouts, model, input_ids, attention_mask, width,
+                       keys) -> list[tuple[float, float, float]]:
         """Per name of ``CHECKED_LAYOUTS``: (mean absolute log-prob difference between that layout and compact rows,
-        tolerance), ``(0, 1)`` for a layout not in ``layouts``; infinite when the shared-prompt attention did not
-        run. All forwards without gradient and dropout; the compact reference is computed once for all layouts. A
-        leaking mask changes log-probs by O(1)."""
+        tolerance, 1 if this check counts else 0), ``(0, 1, 0)`` for a layout not in ``layouts``; infinite when the
+        shared-prompt attention did not run. "tree" counts only on rows that share tokens past their prompt (its
+        forward runs anyway, so that every rank runs the same forwards). All forwards without gradient and dropout;
+        the compact reference is computed once for all layouts. A leaking mask changes log-probs by O(1)."""
         rows = compact_rows(input_ids, attention_mask, width)
-        out = [(0.0, 1.0)] * len(CHECKED_LAYOUTS)
+        out = [(0.0, 1.0, 0.0)] * len(CHECKED_LAYOUTS)
         if not layouts or not rows.valid.any():
             return out
         self.checking, was_training = True, model.training
@@ -230,16 +281,44 @@ class LayoutScorer:
                 for k, layout in enumerate(CHECKED_LAYOUTS):
                     if layout not in layouts:
                         continue
+                    counts = 1.0
+                    if layout in ("shared", "tree"):
+                        if keys is None or min(len(key) for key in keys) < 2:
+                            continue  # a one-token prompt is never shared (shares_prompts)
+                        if layout == "tree":
+                            row = self._tree_row(input_ids, attention_mask, width, keys, self.min_shared)
+                            counts = float(row.shares_past_prompts)
                     try:
                         other, _ = self._forward(layout, model, input_ids, attention_mask, width, rows, keys, False)
                         error = float((plain - other)[rows.valid].abs().mean())
                     except SharedAttentionUnused:
                         error = float("inf")
-                    out[k] = (error, 5e-2 if half else 1e-3)
+                    out[k] = (error, 5e-2 if half else 1e-3, counts)
         finally:
             self.checking = False
             model.train(was_training)
         return out
+
+
+def deep_check_rows(keys: list, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                    min_shared: int) -> list[int] | None:
+    """Rows of a rollout on which to check sharing past the prompts, or None when no two rows of a prompt share a
+    run of ``min_shared`` tokens past it or one continues the other (the prefix tree would share nothing past the
+    prompts). The first such pair, with up to two other rows of its prompt: one before it, so that the pair's
+    segments attend to ancestors that are not adjacent in the row, as in a real micro-batch."""
+    completions = [c[m.bool()].tolist() for c, m in zip(completion_ids, completion_mask)]
+    members: dict = defaultdict(list)
+    for i, key in enumerate(keys):
+        members[key].append(i)
+    for rows in members.values():
+        for b_pos, b in enumerate(rows):
+            for a in rows[:b_pos]:
+                k = min(min_shared, len(completions[a]), len(completions[b]))
+                if k and completions[a][:k] == completions[b][:k]:
+                    others = [i for i in rows if i not in (a, b)]
+                    return others[:1] + [a, b] + others[1:2]
+    return None
+
 
 @contextmanager
 def reference_model(trainer, reference: bool = True):
