@@ -12,7 +12,7 @@ from trl_multiturn.layouts import (
 
 def trl_rows(rows, pad=0):
     """TRL's layout of (prompt, completion) lists: left-padded prompts | right-padded completions."""
-    p_w, c_w = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    p_w, c_w = max(len(p) for p, _ in rows), max(max(len(c) for _, c in rows), 1)
     ids = torch.full((len(rows), p_w + c_w), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (p, c) in enumerate(rows):

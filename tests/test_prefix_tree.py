@@ -14,6 +14,7 @@ import torch
 from datasets import Dataset
 
 from scripted import THINK_DROPPING, Recorder, ScriptedLM, logged, with_template
+from test_layouts import trl_rows as trl_layout  # TRL's layout of (prompt, completion) lists
 from test_rollout import SearchLikeEnv
 from test_trainer import FeedbackEnv, dataset, make_args, vowel_reward
 
@@ -23,18 +24,6 @@ from trl_multiturn.generation import TransformersGenerator
 from trl_multiturn.layouts import MIN_SHARED_RUN, prefix_tree_row, shared_prompt_row
 from trl_multiturn.protocols import ChatToolProtocol
 from trl_multiturn.scoring import deep_check_rows
-
-
-def trl_layout(rows, pad=0):
-    """TRL's layout of (prompt, completion) lists: left-padded prompts | right-padded completions."""
-    p_w, c_w = max(len(p) for p, _ in rows), max(max(len(c) for _, c in rows), 1)
-    ids = torch.full((len(rows), p_w + c_w), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(rows):
-        ids[i, p_w - len(p) : p_w] = torch.tensor(p)
-        ids[i, p_w : p_w + len(c)] = torch.tensor(c, dtype=torch.long)
-        mask[i, p_w - len(p) : p_w + len(c)] = 1
-    return ids, mask, c_w
 
 
 def distinct_tokens(sizes, seed=0):
