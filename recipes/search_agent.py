@@ -99,8 +99,9 @@ DEFAULTS = dict(
     logging_steps=1,
     save_strategy="no",
     report_to="none",
-    # measured: without it a micro-batch of 4 trajectories keeps ~2.6 MB of activations per token (LoRA on every
-    # linear layer) and the GRPO step set the offline default's peak (5.7 GiB); with it ~0.3 MB per token
+    # measured: without it a micro-batch of 4 trajectories keeps ~2.6 MiB of activations per token (LoRA on every
+    # linear layer) and the GRPO step set the offline default's peak (5.7 GiB); with it ~0.3 MiB per token
+    # (benchmarks/results/memory_probes.json)
     gradient_checkpointing=True,
     seed=0,
 )
