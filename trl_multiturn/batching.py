@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import prompt_keys, shares_prompts
+from .layouts import prefix_tree_row, prompt_completion_contiguous, prompt_keys, shares_prompts
 from .loss import loss_normalizers
 
 
@@ -280,10 +280,12 @@ def _tokens_processed(chunk: dict, compact: bool, pack: bool = False, share: boo
     return chunk_tokens(chunk, compact, pack, share)[0]
 
 
-def chunk_tokens(chunk: dict, compact: bool, pack: bool = False, share: bool = False) -> tuple[int, int]:
+def chunk_tokens(chunk: dict, compact: bool, pack: bool = False, share: bool = False,
+                 min_shared: int | None = None) -> tuple[int, int]:
     """``(processed, real)``: tokens the training forward of ``chunk`` computes, padding included, and how many of
     them are real tokens. With ``share``, a prompt repeated in the chunk is computed once (see
-    ``trl_multiturn.layouts.shared_prompt_row``)."""
+    ``trl_multiturn.layouts.shared_prompt_row``); with ``min_shared`` too, every run of at least that many tokens
+    that rows continue alike past their prompt (the prefix tree, ``trl_multiturn.layouts.prefix_tree_row``)."""
     prompt_len, completion_len = chunk["prompt_mask"].sum(1), chunk["completion_mask"].sum(1)  # (B,)
     real = int(prompt_len.sum() + completion_len.sum())
     if not compact:
@@ -295,6 +297,8 @@ def chunk_tokens(chunk: dict, compact: bool, pack: bool = False, share: bool = F
         keys = prompt_keys(chunk["prompt_ids"], chunk["prompt_mask"])
         if shares_prompts(keys):
             cost = _shared_cost(keys, prompt_len.tolist(), completion_len.tolist(), range(len(keys)))
+            if min_shared is not None:
+                cost = _tree_tokens(chunk, range(len(keys)), min_shared, keys) or cost
             return cost, cost  # one row, no padding
     rows = len(first_fit_decreasing(lengths, max(lengths))) if pack else len(lengths)
     return int(max(lengths)) * rows, real
@@ -309,6 +313,104 @@ def _shared_cost(keys: list, prompt_len: list[int], completion_len: list[int], p
         return len(part) * max(prompt_len[i] + completion_len[i] for i in part)
     distinct = {keys[i]: prompt_len[i] - 1 for i in part}
     return sum(distinct.values()) + sum(completion_len[i] + 1 for i in part)
+
+
+def _tree_tokens(batch: dict, index, min_shared: int | None, keys: list | None = None) -> int | None:
+    """Length of the prefix-tree row (:func:`~trl_multiturn.layouts.prefix_tree_row`) of rows ``index`` of ``batch``
+    (prompts only with ``min_shared=None``); None when those rows cannot be laid out so (a mask with holes, a prompt
+    shorter than two tokens)."""
+    idx = torch.tensor(list(index), dtype=torch.long, device=batch["prompt_ids"].device)
+    prompt_mask, completion_mask = batch["prompt_mask"][idx], batch["completion_mask"][idx]
+    p_w = max(int(prompt_mask.sum(1).max()), 1)
+    c_w = max(int(completion_mask.sum(1).max()), 1)
+    prompt_ids, prompt_mask = batch["prompt_ids"][idx][:, -p_w:], prompt_mask[:, -p_w:]
+    mask = torch.cat([prompt_mask, completion_mask[:, :c_w]], dim=1)  # (b, p_w + c_w)
+    if int(prompt_mask.sum(1).min()) < 2 or not prompt_completion_contiguous(mask, c_w):
+        return None
+    ids = torch.cat([prompt_ids, batch["completion_ids"][idx][:, :c_w]], dim=1)
+    keys = keys if keys is not None else prompt_keys(prompt_ids, prompt_mask)
+    return int(prefix_tree_row(ids, mask, c_w, keys, min_shared).ids.size(1))
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """The rows of one trajectory in the per-turn layout, planned as one: ``prompts`` maps each prompt key of its rows
+    to the tokens the prefix-tree row lays out for it once (the prompt less its last token), ``rest`` the rest of its
+    prefix-tree row (the tokens of its own, its earlier turns laid out once)."""
+
+    rows: tuple[int, ...]
+    prompts: dict
+    rest: int
+
+
+def _units_cost(units: list[_Unit], part) -> int:
+    """Tokens of the prefix-tree row of the units ``part``: each distinct prompt once, plus each unit's own tokens (an
+    upper bound: runs that different trajectories continue alike past a prompt are shared too)."""
+    prompts: dict = {}
+    for u in part:
+        prompts.update(units[u].prompts)
+    return sum(prompts.values()) + sum(units[u].rest for u in part)
+
+
+def _trajectory_units(batch: dict, rows: list[int], owner: list[int], min_shared: int | None) -> list[_Unit] | None:
+    """The rows of a mini-batch grouped by trajectory (rows of one trajectory are consecutive), with their prefix-tree
+    cost; None when some trajectory's rows cannot be laid out as a prefix tree."""
+    by_owner: dict[int, list[int]] = defaultdict(list)
+    for r in rows:
+        by_owner[owner[r]].append(r)
+    units = []
+    for members in by_owner.values():
+        idx = torch.tensor(members, dtype=torch.long, device=batch["prompt_ids"].device)
+        keys = prompt_keys(batch["prompt_ids"][idx], batch["prompt_mask"][idx])
+        length = _tree_tokens(batch, members, min_shared, keys)
+        if length is None:
+            return None
+        prompts = {key: len(key) - 1 for key in keys}
+        units.append(_Unit(tuple(members), prompts, length - sum(prompts.values())))
+    return units
+
+
+def _per_turn_parts(batch: dict, rows: list[int], owner: list[int], accum: int, max_tokens: int | None,
+                    min_shared: int | None, row_parts: list[list[int]],
+                    row_over_budget: bool) -> tuple[list[list[int]], bool]:
+    """Micro-batches of whole trajectories for the per-turn layout with the prefix-tree forward, when they compute
+    fewer tokens than ``row_parts`` (the rows dealt one by one, over the budget when ``row_over_budget``). Returns
+    the plan (positions into ``rows``) and whether it is over the budget.
+
+    A trajectory's rows repeat its earlier turns in their contexts; laid out in one prefix tree they are computed
+    once, but only when the rows share a micro-batch, which dealing rows by length rarely gives. Without a budget:
+    ``accum`` consecutive slices of equal numbers of trajectories (``micro_batch_size`` trajectories each, in the
+    shuffled order, so the members of a group stay together and share their prompt). With ``max_tokens``: the fewest
+    micro-batches of whole trajectories within the budget, cut like :func:`_shared_budget_parts` (a trajectory over
+    the budget alone). Kept: the plan within the budget, then the one with fewer micro-batches (budget), then the
+    one with fewer tokens."""
+    units = _trajectory_units(batch, rows, owner, min_shared)
+    if units is None or len(units) == len(rows):  # no trajectory has several rows: nothing to keep together
+        return row_parts, row_over_budget
+    if max_tokens:
+        grouped = _budget_cut(len(units), lambda part: _units_cost(units, part),
+                              lambda u: units[u].rest - 1, _unit_orders(units), max_tokens, accum)
+    elif len(units) % accum == 0:
+        size = len(units) // accum
+        grouped = [list(range(k * size, (k + 1) * size)) for k in range(accum)]
+    else:
+        grouped = None
+    if grouped is None:
+        return row_parts, row_over_budget
+    position = {r: i for i, r in enumerate(rows)}
+    parts = [sorted(position[r] for u in part for r in units[u].rows) for part in grouped]
+
+    def cost(plan, over):
+        return (over, len(plan) if max_tokens else 0,
+                sum(_tree_tokens(batch, [rows[i] for i in part], min_shared) or math.inf for part in plan if part))
+
+    return (parts, False) if cost(parts, False) <= cost(row_parts, row_over_budget) else (row_parts, row_over_budget)
+
+
+def _unit_orders(units: list[_Unit]) -> list[list[int]]:
+    """Orders to cut trajectories in: as shuffled (a group's members together), and by cost, longest first."""
+    n = len(units)
+    return [list(range(n)), sorted(range(n), key=lambda u: (-units[u].rest, u))]
 
 
 def _rows(value, index: list[int]):
@@ -377,20 +479,27 @@ def _shared_budget_parts(keys: list, prompt_len: list[int], completion_len: list
             sorted(range(n), key=lambda i: (-completion_len[i], i)),
             [i for rows in groups for i in sorted(rows, key=lambda i: (-completion_len[i], i))],
         ]
+    return _budget_cut(n, lambda part: _shared_cost(keys, prompt_len, completion_len, part),
+                       lambda i: completion_len[i], orders, budget, slots)
+
+
+def _budget_cut(n: int, cost, floor, orders: list[list[int]], budget: int, slots: int) -> list[list[int]] | None:
+    """The best of cutting each order of the items ``0..n-1`` into consecutive parts within ``budget``
+    (:func:`_cheapest_cut`, :func:`_greedy_cut`): the fewest parts, then the fewest tokens (``cost(part)``; ``floor(i)
+    + 1`` is a lower bound of what item i adds to a part). None when it needs more than ``slots`` parts."""
     plans = []
     for order in orders:
-        for parts in (_cheapest_cut(order, keys, prompt_len, completion_len, budget),
-                      _greedy_cut(order, keys, prompt_len, completion_len, budget)):
-            plans.append((len(parts), sum(_shared_cost(keys, prompt_len, completion_len, p) for p in parts), parts))
+        for parts in (_cheapest_cut(order, cost, floor, budget), _greedy_cut(order, cost, budget)):
+            plans.append((len(parts), sum(cost(p) for p in parts), parts))
     count, _, parts = min(plans, key=lambda plan: plan[:2])
     return [sorted(p) for p in parts] if count <= slots else None
 
 
-def _greedy_cut(order, keys, prompt_len, completion_len, budget) -> list[list[int]]:
+def _greedy_cut(order, cost, budget) -> list[list[int]]:
     """Consecutive parts of ``order``, each as long as the budget allows (fewest parts for a length-sorted order)."""
     parts: list[list[int]] = []
     for i in order:
-        if parts and _shared_cost(keys, prompt_len, completion_len, parts[-1] + [i]) <= budget:
+        if parts and cost(parts[-1] + [i]) <= budget:
             parts[-1].append(i)
         else:
             parts.append([i])
@@ -402,7 +511,7 @@ def _greedy_cut(order, keys, prompt_len, completion_len, budget) -> list[list[in
 _MAX_SEARCH_ROWS = 64
 
 
-def _cheapest_cut(order, keys, prompt_len, completion_len, budget) -> list[list[int]]:
+def _cheapest_cut(order, cost, floor, budget) -> list[list[int]]:
     """Consecutive parts of ``order`` within ``budget`` (a row alone may exceed it): the fewest parts, and among them
     the fewest tokens processed, ``best[j] = min_i best[i] + (1, cost(order[i:j]))``. A part stops growing once its
     completion tokens (a lower bound of its cost) exceed the budget."""
@@ -410,15 +519,15 @@ def _cheapest_cut(order, keys, prompt_len, completion_len, budget) -> list[list[
     best = [(0, 0)] + [(math.inf, math.inf)] * n
     start = [0] * (n + 1)
     for i in range(n):
-        floor = 0
+        least = 0
         for j in range(i, min(n, i + _MAX_SEARCH_ROWS)):
-            floor += completion_len[order[j]] + 1
-            if j > i and floor > budget:
+            least += floor(order[j]) + 1
+            if j > i and least > budget:
                 break
-            cost = _shared_cost(keys, prompt_len, completion_len, order[i : j + 1])
-            if j > i and cost > budget:
+            tokens = cost(order[i : j + 1])
+            if j > i and tokens > budget:
                 continue
-            candidate = (best[i][0] + 1, best[i][1] + cost)
+            candidate = (best[i][0] + 1, best[i][1] + tokens)
             if candidate < best[j + 1]:
                 best[j + 1], start[j + 1] = candidate, i
     parts, j = [], n
@@ -429,7 +538,8 @@ def _cheapest_cut(order, keys, prompt_len, completion_len, budget) -> list[list[
 
 
 def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int | None = None,
-                            share_prefix: bool = False, mini_batches: list[list[int]] | None = None) -> list[dict]:
+                            share_prefix: bool = False, mini_batches: list[list[int]] | None = None,
+                            owner: list[int] | None = None, min_shared: int | None = None) -> list[dict]:
     """Cut the rollout into ``steps`` micro-batches: consecutive mini-batches of equal size (whole groups kept by the
     shuffle), each dealt into ``accum`` micro-batches of balanced token counts and trimmed to their own padding.
 
@@ -447,7 +557,9 @@ def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int 
 
     ``mini_batches``: the rows of each mini-batch, consecutive and in order (the per-turn layout, where a
     mini-batch holds whole trajectories of varying row counts: :func:`trl_multiturn.turn_rows.trajectory_mini_batches`);
-    None: ``steps // accum`` equal consecutive slices.
+    None: ``steps // accum`` equal consecutive slices. ``owner`` (per-turn layout, with ``share_prefix``): the
+    trajectory of each row; micro-batches of whole trajectories replace the rows dealt one by one when the prefix-tree
+    forward (``min_shared``, or prompts only with None) computes fewer tokens for them (:func:`_per_turn_parts`).
     """
     n = batch["prompt_ids"].size(0)
     if mini_batches is None:
@@ -482,6 +594,8 @@ def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int 
                 cost = lambda plan: sum(_shared_cost(keys, p_len, c_len, part) for part in plan if part)  # noqa: E731
                 if slices is not None and cost(slices) < cost(parts):
                     parts = slices
+        if owner is not None and share_prefix:
+            parts, over_budget = _per_turn_parts(batch, rows, owner, accum, max_tokens, min_shared, parts, over_budget)
         for part in parts:
             index = [rows[i] for i in part]
             p_w = int(prompt_len[index].max())

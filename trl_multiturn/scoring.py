@@ -130,11 +130,14 @@ class LayoutScorer:
         """Whether micro-batches can be planned for the shared-prompt forward (on, and its check passed)."""
         return bool(self.args.share_prompt_prefix and self.args.compact_padding and self.shared)
 
-    def planned_layouts(self) -> tuple[bool, bool, bool]:
-        """``(compact, pack, share)``: the layouts the training forward may use (not turned off by a check)."""
+    def planned_layouts(self) -> tuple[bool, bool, bool, int | None]:
+        """``(compact, pack, share, min_shared)``: the layouts the training forward may use (not turned off by a
+        check); ``min_shared`` is the prefix tree's shortest shared run past a prompt, None when it shares prompts
+        only."""
         compact = bool(self.args.compact_padding)
-        return (compact, compact and self.args.pack_sequences and self.packed is not False,
-                compact and self.args.share_prompt_prefix and self.shared is not False)
+        share = compact and self.args.share_prompt_prefix and self.shared is not False
+        return (compact, compact and self.args.pack_sequences and self.packed is not False, share,
+                self.min_shared if share and self.tree is not False else None)
 
     def _choose(self, model, input_ids, attention_mask, width, rows, keys, training) -> str:
         if keys is not None and shares_prompts(keys):

@@ -273,7 +273,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 batch = self._dynamic_sampling_rollout(generation_batch)
             else:
                 batch = self._generate_and_score_completions(generation_batch)
-            batch, minis = shuffle_groups(batch, self.num_generations), None
+            batch, minis, owner = shuffle_groups(batch, self.num_generations), None, None
             if self._turn_rows is not None:  # per-turn layout: one row per turn, mini-batches of whole trajectories
                 n = batch["completion_ids"].size(0)
                 batch, owner = self._turn_rows.expand(batch, self._tokenizer.pad_token_id)
@@ -281,7 +281,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             self._scorer.check_rollout(self.model, batch)
             if self.args.balance_micro_batches:
                 budget = self.args.max_tokens_per_micro_batch
-                chunks = balanced_micro_batches(batch, steps, accum, budget, self._scorer.sharing_planned(), minis)
+                chunks = balanced_micro_batches(batch, steps, accum, budget, self._scorer.sharing_planned(), minis,
+                                                owner, self._scorer.planned_layouts()[3])
                 self._warned_budget = metrics.log_micro_batches(self._metrics["train"], chunks, accum, budget,
                                                                 self._warned_budget)
             else:
