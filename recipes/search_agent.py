@@ -29,10 +29,11 @@ from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config, get_quantiza
 from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 from trl_multiturn.context import context_policy
 from trl_multiturn.protocols import TagProtocol
+from trl_multiturn.rollout import RolloutConfig
 from trl_multiturn.search import SearchEnvironment
 from trl_multiturn.search.evaluation import evaluate_search_agent
 from trl_multiturn.search.rewards import exact_match_reward
-from trl_multiturn.sft import train_sft, trajectory_from_tag_text
+from trl_multiturn.sft import train_sft, trajectories_from_policy, trajectory_from_tag_text
 from trl_multiturn.threads import configure_cpu_threads
 
 
@@ -314,6 +315,26 @@ def warm_start_enabled(args: SearchAgentArguments, model) -> bool:
     return args.warm_start == "on"
 
 
+def warm_start_trajectories(experts, tokenizer, protocol, env_factory, training_args) -> list:
+    """The expert episodes as token trajectories for the warm start, in the layout GRPO trains.
+
+    ``turn_layout="sequence"``: each episode's text, observations inline (``trajectory_from_tag_text``). ``"per_turn"``:
+    each episode's actions replayed through the environment by the real rollout with the run's context policy, so the
+    trajectories carry the contexts GRPO and the evaluations give each turn (``turn_contexts``; the single sequence is
+    the same ids). No RL limit applies here, as in the sequence layout; every expert episode replays to its answer.
+    """
+    if training_args.turn_layout != "per_turn":
+        return [trajectory_from_tag_text(e.prompt, e.to_text(), tokenizer, protocol) for e in experts]
+    config = RolloutConfig(max_turns=max((len(e.turns) for e in experts), default=1), max_completion_length=1 << 30,
+                           turn_layout="per_turn", context_fn=context_policy(training_args, tokenizer))
+    trajectories = []
+    for e in experts:
+        replay = lambda example, observations, actions=e.actions: actions[len(observations)]  # noqa: E731
+        kept, _ = trajectories_from_policy([e.example], env_factory, protocol, tokenizer, replay, config)
+        trajectories += kept
+    return trajectories
+
+
 def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, model_args: ModelConfig):
     state = PartialState()
     out_dir = Path(training_args.output_dir)
@@ -363,7 +384,7 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
                                                    seed=training_args.seed)
         print(f"[sft] {stats['kept']}/{stats['total']} expert trajectories kept "
               f"({stats['kept_fraction']:.0%}); training", flush=True)
-        trajectories = [trajectory_from_tag_text(e.prompt, e.to_text(), tokenizer, protocol) for e in experts]
+        trajectories = warm_start_trajectories(experts, tokenizer, protocol, env_factory, training_args)
         sft_args = SFTConfig(
             output_dir=str(out_dir / "sft"), num_train_epochs=script_args.sft_epochs,
             learning_rate=script_args.sft_learning_rate, per_device_train_batch_size=script_args.sft_batch_size,
@@ -372,7 +393,8 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
             gradient_accumulation_steps=script_args.sft_gradient_accumulation_steps,
             lr_scheduler_type="cosine", warmup_steps=0.05,
         )
-        sft_trainer = train_sft(model, tokenizer, trajectories, sft_args, peft_config=peft_config)
+        sft_trainer = train_sft(model, tokenizer, trajectories, sft_args, peft_config=peft_config,
+                                turn_layout=training_args.turn_layout)  # per turn: each turn on GRPO's context
         model = sft_trainer.model
         peft_config = None  # GRPO continues training the warm-start adapter
         results["sft_train"] = {"kept_fraction": stats["kept_fraction"], "examples": len(trajectories),

@@ -42,9 +42,25 @@ usual. Departures from TRL: TRL's own multi-turn masks come from ``{% generation
 template marking its end-of-turn token; here the mask is built from the token ids and the protocol, so it is the
 same mask RL uses. Leave ``assistant_only_loss`` off: the masks already are assistant masks.
 
+Per-turn layout (``sft_dataset(..., turn_layout="per_turn")``, the layout of ``MultiTurnGRPOConfig.turn_layout``):
+a trajectory that carries ``turn_contexts`` (collected by :func:`trajectories_from_policy` with
+``RolloutConfig(turn_layout="per_turn")``, optionally with a ``context_fn``) becomes one example per row of
+:func:`~trl_multiturn.turn_rows.turn_rows_of`: the context ``c_k`` the turn was generated from (mask 0), then the
+row's columns of the trajectory, ids and action mask as they are (an observation inside a merged row stays mask 0).
+Under a thinking template that drops earlier ``<think>`` blocks, or a context function that drops or cuts old
+observations, each turn is then trained on the context the per-turn GRPO stage and the deployed model give it, not on
+the single sequence. Turns whose contexts nest merge into one row, so a prefix-keeping template gives back the
+single-sequence example. A trajectory without turn contexts stays one example.
+
 Loss normalization: ``SFTTrainer`` divides the summed NLL by the number of supervised tokens of the whole
-(accumulated) batch: a token mean, so long trajectories weigh more than short ones. RL's default aggregation here
-is a per-trajectory mean ("seq-mean-token-mean"); the SFT warm start keeps TRL's token mean.
+(accumulated) batch (``num_items_in_batch``): a token mean, so long trajectories weigh more than short ones. RL's
+default aggregation here is a per-trajectory mean ("seq-mean-token-mean"); the SFT warm start keeps TRL's token mean.
+The per-turn layout keeps it: the rows of a trajectory partition its supervised tokens (each sampled token is in
+exactly one row), so every supervised token is counted once in the numerator and in ``N``, and a trajectory weighs
+its number of supervised tokens whatever the number of its rows. Where the contexts nest, each token also has the
+same prefix in its row as in the single sequence, so over a batch that holds all the rows of its trajectories the
+loss equals the single-sequence loss (tested with the rows left unmerged; merged, they are the single sequence).
+What changes is only what a step holds: ``per_device_train_batch_size`` counts examples, which are rows.
 
 Packing: valid with ``packing_strategy="bfd"`` (TRL's default). BFD packs whole trajectories into padding-free
 rows with ``position_ids`` restarting at each trajectory, the labels travel with their ids, and attention stays
@@ -64,8 +80,9 @@ from typing import Any
 from .environment import Action, Step
 from .generation import GenerationOutput, SamplingParams
 from .protocols import Protocol, TagProtocol
-from .rollout import MultiTurnRollout, RolloutConfig
+from .rollout import TURN_LAYOUTS, MultiTurnRollout, RolloutConfig
 from .trajectory import Trajectory
+from .turn_rows import turn_rows_of
 
 logger = logging.getLogger(__name__)
 
@@ -427,7 +444,9 @@ def trajectories_from_policy(
         protocol: the protocol of the RL run.
         tokenizer: the policy's tokenizer.
         policy_turns: ``(example, observations) -> str | None``, the next action's text.
-        config: the rollout limits of the RL run (default ``RolloutConfig()``).
+        config: the rollout limits of the RL run (default ``RolloutConfig()``). With ``turn_layout="per_turn"``
+            (and the run's ``context_fn``, if any) each turn is rendered as the per-turn rollout renders it and the
+            kept trajectories carry ``turn_contexts``, for ``sft_dataset(..., turn_layout="per_turn")``.
         add_eos: see above.
 
     Returns:
@@ -479,21 +498,18 @@ def trajectories_from_policy(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def sft_dataset(trajectories: Sequence[Trajectory]):
-    """A pre-tokenized ``datasets.Dataset`` for ``SFTTrainer``: ``input_ids`` and ``assistant_masks``.
-
-    ``input_ids = prompt_ids + completion_ids`` and ``assistant_masks = [0] * len(prompt_ids) + action_mask``.
-    ``SFTTrainer`` (TRL 1.16, ``_prepare_dataset``) sees ``input_ids``, skips tokenization, and builds
-    ``labels = input_ids`` with -100 wherever ``assistant_masks`` is 0, then drops the mask column.
-
-    Raises:
-        ValueError: no trajectories, an invalid trajectory, or one without any mask-1 token (it would carry no loss).
-    """
-    from datasets import Dataset
-
+def _sft_examples(trajectories: Sequence[Trajectory], turn_layout: str) -> list[tuple[int, list[int], list[int]]]:
+    """``(trajectory index, input_ids, assistant_masks)`` of every example, trajectories in order (see
+    :func:`sft_dataset`)."""
+    if turn_layout not in TURN_LAYOUTS:
+        raise ValueError(
+            f"turn_layout must be one of {TURN_LAYOUTS}; got {turn_layout!r}. Use 'per_turn' for trajectories "
+            "collected per turn (with turn_contexts), as MultiTurnGRPOConfig.turn_layout='per_turn' trains them."
+        )
     if len(trajectories) == 0:
         raise ValueError("sft_dataset got no trajectories; pass at least one.")
-    input_ids, masks = [], []
+    examples: list[tuple[int, list[int], list[int]]] = []
+    whole = 0  # per-turn layout: trajectories without turn contexts, kept as one example
     for i, traj in enumerate(trajectories):
         try:
             traj.validate()
@@ -503,9 +519,48 @@ def sft_dataset(trajectories: Sequence[Trajectory]):
             raise ValueError(
                 f"trajectory {i} has no assistant token (action_mask is all 0), so it carries no SFT loss; drop it."
             )
-        input_ids.append(list(traj.input_ids))
-        masks.append([0] * len(traj.prompt_ids) + list(traj.action_mask))
-    return Dataset.from_dict({"input_ids": input_ids, "assistant_masks": masks})
+        rows = turn_rows_of(traj) if turn_layout == "per_turn" else None
+        if rows is None:
+            whole += turn_layout == "per_turn"
+            examples.append((i, list(traj.input_ids), [0] * len(traj.prompt_ids) + list(traj.action_mask)))
+            continue
+        for context, columns in zip(rows.contexts, rows.columns):
+            ids = [traj.completion_ids[c] for c in columns]  # the row's ids, exactly as in the trajectory
+            mask = [traj.action_mask[c] for c in columns]  # 1 on sampled ids, 0 on observations between them
+            examples.append((i, list(context) + ids, [0] * len(context) + mask))
+    if whole:
+        logger.warning(
+            "sft_dataset(turn_layout='per_turn'): %d of %d trajectories have no turn_contexts and are trained as one "
+            "sequence. Collect them per turn with trajectories_from_policy(..., config=RolloutConfig("
+            "turn_layout='per_turn', context_fn=...)).", whole, len(trajectories)
+        )
+    return examples
+
+
+def _dataset(examples: list[tuple[int, list[int], list[int]]]):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"input_ids": [e[1] for e in examples], "assistant_masks": [e[2] for e in examples]})
+
+
+def sft_dataset(trajectories: Sequence[Trajectory], turn_layout: str = "sequence"):
+    """A pre-tokenized ``datasets.Dataset`` for ``SFTTrainer``: ``input_ids`` and ``assistant_masks``.
+
+    ``turn_layout="sequence"`` (default): one example per trajectory, ``input_ids = prompt_ids + completion_ids`` and
+    ``assistant_masks = [0] * len(prompt_ids) + action_mask``. ``"per_turn"``: a trajectory with ``turn_contexts``
+    gives one example per row of :func:`~trl_multiturn.turn_rows.turn_rows_of` (turns whose contexts nest share a
+    row), ``input_ids = context + the row's columns of completion_ids`` and ``assistant_masks = [0] * len(context) +
+    the action mask on those columns``; a trajectory without turn contexts stays one example (a warning counts them).
+    Examples are in trajectory order, a trajectory's rows in turn order.
+
+    ``SFTTrainer`` (TRL 1.16, ``_prepare_dataset``) sees ``input_ids``, skips tokenization, and builds
+    ``labels = input_ids`` with -100 wherever ``assistant_masks`` is 0, then drops the mask column.
+
+    Raises:
+        ValueError: a ``turn_layout`` other than "sequence" / "per_turn", no trajectories, an invalid trajectory, or
+            one without any mask-1 token (it would carry no loss).
+    """
+    return _dataset(_sft_examples(trajectories, turn_layout))
 
 
 def _sft_trainer_class():
@@ -600,10 +655,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def train_sft(model, tokenizer, trajectories: Sequence[Trajectory], args, peft_config=None, **trainer_kwargs):
+def train_sft(
+    model, tokenizer, trajectories: Sequence[Trajectory], args, peft_config=None, turn_layout: str = "sequence",
+    **trainer_kwargs,
+):
     """Fine-tune ``model`` on ``trajectories`` with TRL's ``SFTTrainer``; returns the trainer after ``train()``.
 
-    A thin wrapper: ``MultiTurnSFTTrainer(model, args=args, train_dataset=sft_dataset(trajectories),
+    A thin wrapper: ``MultiTurnSFTTrainer(model, args=args, train_dataset=sft_dataset(trajectories, turn_layout),
     processing_class=tokenizer, peft_config=peft_config, **trainer_kwargs).train()``, after checking the settings
     that would silently change what is trained. ``MultiTurnSFTTrainer`` is TRL's ``SFTTrainer`` with, on CPU, the LM
     head applied to the supervised positions only (same loss and gradients, fewer FLOPs).
@@ -614,12 +672,14 @@ def train_sft(model, tokenizer, trajectories: Sequence[Trajectory], args, peft_c
         trajectories: gold trajectories (from the builders of this module).
         args: a ``trl.SFTConfig``.
         peft_config: an optional ``peft`` config (LoRA, QLoRA); the trainer then holds the adapter.
+        turn_layout: "sequence" (one example per trajectory) or "per_turn" (one per turn row of the trajectories
+            collected per turn; see :func:`sft_dataset`); set it to the GRPO stage's ``turn_layout``.
         trainer_kwargs: anything else ``SFTTrainer`` takes (``eval_dataset``, ``callbacks``, ...).
 
     Raises:
         ValueError: ``assistant_only_loss=True`` (the masks already are assistant masks), ``packing_strategy=
-            "wrapped"`` with packing (it cuts trajectories), or a trajectory longer than ``max_length`` (TRL would
-            truncate its end, usually the answer).
+            "wrapped"`` with packing (it cuts trajectories), a bad ``turn_layout``, or an example (a trajectory, or
+            one of its per-turn rows) longer than ``max_length`` (TRL would truncate its end, usually the answer).
     """
     if getattr(args, "assistant_only_loss", False):
         raise ValueError(
@@ -632,20 +692,21 @@ def train_sft(model, tokenizer, trajectories: Sequence[Trajectory], args, peft_c
             "train_sft got packing=True with packing_strategy='wrapped', which cuts trajectories in the middle so later "
             "turns lose their history. Use packing_strategy='bfd' (whole trajectories per packed row) or packing=False."
         )
+    examples = _sft_examples(trajectories, turn_layout)
     max_length = getattr(args, "max_length", None)
     if max_length is not None:
-        lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajectories]
-        longest = max(lengths, default=0)
-        if longest > max_length:
+        i, ids, _ = max(examples, key=lambda e: len(e[1]))
+        if len(ids) > max_length:
+            what = f"trajectory {i}" if turn_layout == "sequence" else f"an example of trajectory {i} (its turn row)"
             raise ValueError(
-                f"trajectory {lengths.index(longest)} has {longest} tokens, more than SFTConfig.max_length={max_length}; "
-                "TRL would truncate its end (the final turns and the answer). Raise max_length (or set it to None), or "
-                "filter long trajectories out."
+                f"{what} has {len(ids)} tokens, more than SFTConfig.max_length={max_length}; TRL would truncate its "
+                "end (the final turns and the answer). Raise max_length (or set it to None), or filter long "
+                "trajectories out."
             )
     trainer = _sft_trainer_class()(
         model=model,
         args=args,
-        train_dataset=sft_dataset(trajectories),
+        train_dataset=_dataset(examples),
         processing_class=tokenizer,
         peft_config=peft_config,
         **trainer_kwargs,

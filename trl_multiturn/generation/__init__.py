@@ -21,11 +21,14 @@ Two backends share one API, ``generate(contexts, max_new_tokens, params) -> list
   trajectory never holds the others back. :class:`~trl_multiturn.rollout.MultiTurnRollout` drives this from its
   main thread while environment steps run in its thread pool.
 
-How the K/V are kept: a running batch holds, per layer, one buffer of shape (A, H_kv, capacity, D) with every row
-left-padded so that all rows end at the same column ``W``; a decode step writes one column in place (capacity
-doubles when full), so a step never copies the cache (transformers' ``DynamicCache`` concatenates the whole cache
-at every step). The buffer is rebuilt only when rows join or leave. A row that leaves stores its own K/V, without
-padding, in its session. Padding and position ids: each row's positions count its own tokens only
+How the K/V are kept: a running batch holds, per layer, one buffer of shape (slots, H_kv, capacity, D) with every
+row left-padded so that all rows end at the same column; a decode step writes one column in place, so a step never
+copies the cache (transformers' ``DynamicCache`` concatenates the whole cache at every step). The model sees the
+live slots and the columns of the longest live row only (views). A row that leaves stores its own K/V, without
+padding, in its session, and the batch's last row moves into its slot (one row copied, the others stay put); a
+row that joins is prefilled straight into a free slot. The buffers are rebuilt (every row copied) only when a
+joiner finds no free slot or is longer than the columns left of the rows' end, or the last column is used; they
+are rebuilt with free columns on both sides proportional to the width, so that is a few times per rollout. Padding and position ids: each row's positions count its own tokens only
 (``0 .. L_i - 1``); padding columns get attention 0. When joining rows have new chunks of different lengths, a
 row with a shorter chunk re-feeds the last few tokens of its history instead of padding (same compute, and every
 row's K/V stays contiguous). Models whose cache is not a transformers ``Cache`` (a scripted test model), or

@@ -7,21 +7,14 @@ The design is described in the package docstring (``trl_multiturn/generation/__i
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from .kv_buffer import (
-    _CACHE_KWARG,
-    _BufferLayer,
-    _cache_of,
-    _make_cache,
-    _right_cols,
-    _stack_right_aligned,
-    _supports_kv_reuse,
-)
+from .kv_buffer import _CACHE_KWARG, _BufferLayer, _cache_of, _left_room, _make_cache, _RunningKV, _supports_kv_reuse
 from .sampling import GenerationOutput, SamplingParams, _eos_ids, _filter_logits, _StopChecker
 
 
@@ -75,23 +68,23 @@ class _Request:
     context: list[int]
     max_new_tokens: int
     keep_cache: bool
+    seq: int = 0  # submission order: finished rows are reported in it, whatever slot they decoded in
     output: GenerationOutput = field(default_factory=GenerationOutput)
     length: int = 0  # tokens of this row held in the batch K/V
 
 
 @dataclass
 class _Batch:
-    """A running batch: rows, per-layer buffers (all rows end at column ``width``), the attention mask and the logits
+    """A running batch: its rows (row ``a`` in slot ``a`` of ``kv``), their K/V and attention mask, and the logits
     each row's next token will be sampled from."""
 
     rows: list[_Request]
-    layers: list[_BufferLayer]
-    attention: torch.Tensor  # (A, W) long, 1 on real tokens
+    kv: _RunningKV
     logits: torch.Tensor  # (A, V) float32
 
-    @property
-    def width(self) -> int:
-        return self.attention.shape[1]
+    def fit_width(self) -> None:
+        """Show the model the columns of the longest live row only (a view: nothing is copied)."""
+        self.kv.start = self.kv.end - max(r.length for r in self.rows)
 
 
 def _timed(key: str):
@@ -149,6 +142,7 @@ class TransformersGenerator:
         self.kv_reuse = bool(kv_reuse) and _supports_kv_reuse(model)
         self.max_batch_size = max_batch_size
         self.logits_processor = logits_processor
+        self._seq = itertools.count()
         self._queue: list[_Request] = []
         self._ready: list[_Request] = []
         self._batch: _Batch | None = None
@@ -169,11 +163,13 @@ class TransformersGenerator:
             "decode_steps": 0,
             "prefill_calls": 0,
             "generated_tokens": 0,
-            "kv_copied_tokens": 0,  # row-tokens of K/V copied when rows joined or left a batch
+            "kv_copied_tokens": 0,  # row-tokens of K/V copied: sessions into the batch, rows out to their sessions,
+            # a row moved into a freed slot, every row when the batch's buffers are rebuilt
+            "kv_rebuilds": 0,  # times the running batch's buffers were rebuilt (a joiner did not fit, or full)
             "forward_s": 0.0,  # inside the model's forward (prefill and decode)
             "decode_forward_s": 0.0,  # the decode steps' share of forward_s
             "sample_s": 0.0,  # sampling: logits processing, log-softmax, the draw
-            "kv_s": 0.0,  # cache bookkeeping: restacking K/V when rows join or leave, restoring a session's cache
+            "kv_s": 0.0,  # cache bookkeeping: K/V copied when rows join or leave, buffers rebuilt, sessions restored
             "step_s": 0.0,  # inside step(): all of the above plus stop checks and the Python between them
         }
 
@@ -219,7 +215,7 @@ class TransformersGenerator:
         keep = session is not None
         if session is None:  # a one-off row: its K/V are not kept
             session = self.new_session()
-        request = _Request(key, session, list(context), int(max_new_tokens), keep)
+        request = _Request(key, session, list(context), int(max_new_tokens), keep, next(self._seq))
         (self._queue if max_new_tokens > 0 else self._ready).append(request)
 
     def step(self) -> list[tuple[Any, GenerationOutput]]:
@@ -254,6 +250,7 @@ class TransformersGenerator:
         tokens, logps = self._sample(batch)  # (A,), (A,)
         self.stats["sample_s"] += time.perf_counter() - t0
         keep: list[int] = []
+        finished: list[_Request] = []
         for a, (row, token, logp) in enumerate(zip(batch.rows, tokens.tolist(), logps.tolist())):
             out = row.output
             out.ids.append(token)
@@ -263,12 +260,13 @@ class TransformersGenerator:
                 keep.append(a)
             else:
                 out.finish_reason = reason
-                done.append((row.key, out))
+                finished.append(row)
+        done += [(row.key, row.output) for row in sorted(finished, key=lambda r: r.seq)]
         self.stats["generated_tokens"] += len(batch.rows)
         if len(keep) < len(batch.rows):
-            self._leave(batch, keep)
+            order = self._leave(batch, keep)
             batch = self._batch
-            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=tokens.device)] if keep else tokens[:0]
+            tokens = tokens[torch.tensor(order, dtype=torch.long, device=tokens.device)] if order else tokens[:0]
         if batch is not None and batch.rows:
             self._decode(batch, tokens)
         return done
@@ -313,7 +311,7 @@ class TransformersGenerator:
 
     # ------------------------------------------------------------------ running batch
     def _admit(self) -> None:
-        """Prefill queued requests (as many as ``max_batch_size`` allows) and merge them into the running batch."""
+        """Prefill queued requests (as many as ``max_batch_size`` allows) into the running batch's free slots."""
         if not self._queue:
             return
         running = len(self._batch.rows) if self._batch is not None else 0
@@ -321,15 +319,19 @@ class TransformersGenerator:
         if room <= 0:
             return
         joining, self._queue = self._queue[:room], self._queue[room:]
-        self._batch = self._merge(self._batch, self._prefill(joining))
+        self._batch = self._prefill(joining, self._batch)
 
     @torch.no_grad()
-    def _prefill(self, requests: list[_Request]) -> _Batch:
+    def _prefill(self, requests: list[_Request], batch: _Batch | None) -> _Batch:
         """One forward over the new tokens of ``requests`` on top of the K/V their sessions hold.
 
         Row j has context length t_j and a usable cached prefix c_j. With Q = max_j (t_j - c_j) every row feeds its
         last min(t_j, Q) tokens (a row with a shorter new chunk re-feeds a few cached tokens) on top of
         p_j = max(t_j - Q, 0) cached tokens, right-aligned at column P = max_j p_j.
+
+        With a running ``batch`` the rows are written straight into its free slots, right-aligned at its end column
+        (the buffers are rebuilt first if they do not fit, :meth:`_RunningKV.fits`), so joining copies the joiners'
+        cached K/V only. Without one, the prefill's buffers become the new batch's.
         """
         device = next(self.model.parameters()).device
         shared = self._share_prefix(requests, device)
@@ -354,17 +356,22 @@ class TransformersGenerator:
             leader, n = shared
             leader.output.prefill_tokens += n
             leader.output.cached_tokens -= n
-        reserve = min(max(r.max_new_tokens for r in requests), 1024) + 1
-        layers = self._past_layers(requests, past, p, q + reserve) if p > 0 else None
+        attention = attention.to(device)
+        if batch is None:
+            reserve = min(max(r.max_new_tokens for r in requests), 1024) + 1
+            head = _left_room(p + q)
+            if p > 0:
+                layers = self._past_layers(requests, past, p, q + reserve, head)
+            else:
+                layers = [_BufferLayer(reserve=reserve, head=head) for _ in range(self._num_layers())]
+        else:
+            layers = self._slot_layers(batch, requests, past, p, q)
         for r in requests:  # their cached K/V now live in the batch's buffers; a second copy would double the cache
             r.session.kv, r.session.cached_ids = None, []
-        if layers is None:
-            n_layers = self._num_layers()
-            layers = [_BufferLayer(reserve=reserve) for _ in range(n_layers)]
         t0 = time.perf_counter()
         out = self.model(
             input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
+            attention_mask=attention,
             position_ids=position_ids.to(device),
             use_cache=True,
             logits_to_keep=1,
@@ -375,7 +382,14 @@ class TransformersGenerator:
         self.stats["prefill_positions"] += j * q
         self.stats["prefill_tokens"] += sum(len(r.context) - pj for r, pj in zip(requests, past))
         self.stats["cached_tokens"] += sum(past)
-        return _Batch(rows=list(requests), layers=layers, attention=attention.to(device), logits=out.logits[:, -1, :].float())
+        logits = out.logits[:, -1, :].float()  # (J, V)
+        if batch is None:
+            return _Batch(rows=list(requests), kv=_RunningKV.from_layers(layers, attention), logits=logits)
+        batch.kv.set_mask(len(batch.rows), attention)
+        batch.rows += requests
+        batch.logits = torch.cat([batch.logits, logits], dim=0)  # (A+J, V)
+        batch.fit_width()
+        return batch
 
     @torch.no_grad()
     def _share_prefix(self, requests: list[_Request], device) -> tuple[_Request, int] | None:
@@ -417,97 +431,122 @@ class TransformersGenerator:
         base = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
         return base.config.get_text_config(decoder=True).num_hidden_layers
 
+    @staticmethod
+    def _extra_columns(rows: list[_Request]) -> int:
+        """Columns to leave right of the K/V for the tokens the rows may still sample (capped; the buffers grow)."""
+        return min(max(r.max_new_tokens - len(r.output.ids) for r in rows), 1024) + 1
+
     @_timed("kv_s")
-    def _past_layers(self, requests: list[_Request], past: list[int], p: int, extra: int) -> list[_BufferLayer]:
-        """Buffers holding, for each row, its first ``past[j]`` cached tokens right-aligned at column ``p``."""
+    def _past_layers(
+        self, requests: list[_Request], past: list[int], p: int, extra: int, head: int
+    ) -> list[_BufferLayer]:
+        """New buffers holding, for each row, its first ``past[j]`` cached tokens right-aligned at column
+        ``head + p``, with ``head`` free columns on the left and ``extra`` on the right."""
         ref = next(r.session.kv for r, pj in zip(requests, past) if pj > 0)
         layers = []
-        for layer_idx, (k0, v0) in enumerate(ref):
-            kbuf = k0.new_zeros(len(requests), k0.shape[1], p + extra, k0.shape[3])  # (J, H, P+Q+reserve, D)
-            vbuf = v0.new_zeros(len(requests), v0.shape[1], p + extra, v0.shape[3])
+        for k0, v0 in ref:
+            kbuf = k0.new_zeros(len(requests), k0.shape[1], head + p + extra, k0.shape[3])  # (J, H, cap, D)
+            vbuf = v0.new_zeros(len(requests), v0.shape[1], head + p + extra, v0.shape[3])
+            layers.append(_BufferLayer(kbuf, vbuf, start=head, end=head + p))
+        self._copy_past(layers, requests, past)
+        return layers
+
+    def _copy_past(self, layers: list[_BufferLayer], requests: list[_Request], past: list[int]) -> None:
+        """Copy each row's first ``past[j]`` cached tokens from its session into ``layers`` (row j, right-aligned at
+        the layers' ``end``)."""
+        for layer_idx, layer in enumerate(layers):
             for row, (r, pj) in enumerate(zip(requests, past)):
                 if pj > 0:
                     k, v = r.session.kv[layer_idx]
-                    kbuf[row, :, p - pj : p].copy_(k[0, :, :pj])
-                    vbuf[row, :, p - pj : p].copy_(v[0, :, :pj])
-            layers.append(_BufferLayer(kbuf, vbuf, width=p, reserve=extra))
+                    layer.kbuf[row, :, layer.end - pj : layer.end].copy_(k[0, :, :pj])
+                    layer.vbuf[row, :, layer.end - pj : layer.end].copy_(v[0, :, :pj])
         self.stats["kv_copied_tokens"] += sum(past)
+
+    @_timed("kv_s")
+    def _slot_layers(
+        self, batch: _Batch, requests: list[_Request], past: list[int], p: int, q: int
+    ) -> list[_BufferLayer]:
+        """Cache layers over the free slots that ``requests`` take in ``batch``: their prefill (P cached + Q fed
+        columns) ends at the batch's end column, and their cached tokens are copied in. The batch's buffers are
+        rebuilt first when the joiners do not fit (no free slot, or a joiner longer than the batch's end column)."""
+        kv, n = batch.kv, len(batch.rows)
+        if not kv.fits(n + len(requests), p + q):
+            extra = self._extra_columns(batch.rows + requests)
+            kv.rebuild(n, max(n + len(requests), kv.slots), p + q, extra)
+            self.stats["kv_rebuilds"] += 1
+            self.stats["kv_copied_tokens"] += sum(r.length for r in batch.rows)
+        layers = kv.layers(n, n + len(requests), start=kv.end - p - q, end=kv.end - q)
+        if p > 0:
+            self._copy_past(layers, requests, past)
         return layers
 
     @_timed("kv_s")
-    def _merge(self, a: _Batch | None, b: _Batch) -> _Batch:
-        """Rows of ``a`` then rows of ``b`` in one batch, trimmed to the longest row."""
-        if a is None or not a.rows:
-            return b
-        rows = a.rows + b.rows
-        w = max(r.length for r in rows)
-        extra = min(max(r.max_new_tokens - len(r.output.ids) for r in rows), 1024) + 1
-        layers = []
-        for la, lb in zip(a.layers, b.layers):
-            kbuf = _stack_right_aligned([(la.kbuf, a.width), (lb.kbuf, b.width)], w, w + extra)
-            vbuf = _stack_right_aligned([(la.vbuf, a.width), (lb.vbuf, b.width)], w, w + extra)
-            layers.append(_BufferLayer(kbuf, vbuf, width=w, reserve=extra))
-        attention = torch.cat([_right_cols(a.attention, w), _right_cols(b.attention, w)], dim=0)  # (A+J, W)
-        self.stats["kv_copied_tokens"] += sum(r.length for r in rows)
-        return _Batch(rows=rows, layers=layers, attention=attention, logits=torch.cat([a.logits, b.logits], dim=0))
+    def _leave(self, batch: _Batch, keep: list[int]) -> list[int]:
+        """Store the K/V of the rows not in ``keep`` in their sessions and refill their slots with the kept rows
+        from the batch's tail (one row copied per leaving row at most; the kept rows are not restacked).
 
-    @_timed("kv_s")
-    def _leave(self, batch: _Batch, keep: list[int]) -> None:
-        """Store the K/V of the rows not in ``keep`` in their sessions and rebuild the batch from the kept rows."""
-        w_old = batch.width
+        Returns the kept rows' former slots in their new slot order (to reorder what was sampled for them).
+        """
         kept = set(keep)
         for a, row in enumerate(batch.rows):
             if a in kept:
                 continue
             if row.keep_cache:
-                n = row.length
-                row.session.kv = [
-                    (layer.kbuf[a : a + 1, :, w_old - n : w_old].clone(), layer.vbuf[a : a + 1, :, w_old - n : w_old].clone())
-                    for layer in batch.layers
-                ]
+                row.session.kv = batch.kv.take(a, row.length)
                 row.session.cached_ids = row.context + row.output.ids[:-1]
-                self.stats["kv_copied_tokens"] += n
+                self.stats["kv_copied_tokens"] += row.length
             else:
                 row.session.drop()
         if not keep:
             self._batch = None
-            return
-        rows = [batch.rows[a] for a in keep]
-        idx = torch.tensor(keep, dtype=torch.long, device=batch.attention.device)
-        w = max(r.length for r in rows)
-        extra = min(max(r.max_new_tokens - len(r.output.ids) for r in rows), 1024) + 1
-        layers = []
-        for layer in batch.layers:
-            kbuf = _stack_right_aligned([(layer.kbuf.index_select(0, idx), w_old)], w, w + extra)
-            vbuf = _stack_right_aligned([(layer.vbuf.index_select(0, idx), w_old)], w, w + extra)
-            layers.append(_BufferLayer(kbuf, vbuf, width=w, reserve=extra))
-        self.stats["kv_copied_tokens"] += sum(r.length for r in rows)
-        self._batch = _Batch(
-            rows=rows, layers=layers, attention=_right_cols(batch.attention[idx], w), logits=batch.logits[idx]
-        )
+            return []
+        n = len(keep)
+        holes = [a for a in range(n) if a not in kept]  # freed slots among the first n ...
+        movers = [a for a in keep if a >= n]  # ... and as many kept rows past them; the others stay in place
+        order = list(range(n))
+        for dst, src in zip(holes, movers):
+            batch.kv.move(src, dst, batch.rows[src].length)
+            self.stats["kv_copied_tokens"] += batch.rows[src].length
+            order[dst] = src
+        batch.rows = [batch.rows[a] for a in order]
+        batch.logits = batch.logits[torch.tensor(order, dtype=torch.long, device=batch.logits.device)]  # (A', V)
+        batch.fit_width()
+        return order
 
     @torch.no_grad()
     def _decode(self, batch: _Batch, tokens: torch.Tensor) -> None:
         """Feed each row's sampled token (one column for every row) and keep the logits of the next."""
         a = len(batch.rows)
-        device = batch.attention.device
-        batch.attention = torch.cat([batch.attention, torch.ones((a, 1), dtype=torch.long, device=device)], dim=1)
+        kv = batch.kv
+        device = kv.mask.device
+        if kv.end >= kv.capacity:  # the last column is used: rebuild with room on the right
+            self._rebuild(batch)
+        attention = kv.decode_mask(a)  # (A, W+1)
         position_ids = torch.tensor([[r.length] for r in batch.rows], dtype=torch.long, device=device)  # (A, 1)
         t0 = time.perf_counter()
         out = self.model(
             input_ids=tokens.view(a, 1).to(device),
-            attention_mask=batch.attention,
+            attention_mask=attention,
             position_ids=position_ids,
             use_cache=True,
-            **{_CACHE_KWARG: _make_cache(batch.layers)},
+            **{_CACHE_KWARG: _make_cache(kv.layers(0, a))},
         )
         self.stats["forward_s"] += time.perf_counter() - t0
         self.stats["decode_forward_s"] += time.perf_counter() - t0
         self.stats["decode_steps"] += 1
         self.stats["decode_positions"] += a
+        kv.end += 1
         for r in batch.rows:
             r.length += 1
         batch.logits = out.logits[:, -1, :].float()  # (A, V)
+
+    @_timed("kv_s")
+    def _rebuild(self, batch: _Batch) -> None:
+        """New buffers for ``batch`` with room on both sides (its last column is used)."""
+        n = len(batch.rows)
+        batch.kv.rebuild(n, batch.kv.slots, batch.kv.end - batch.kv.start, self._extra_columns(batch.rows))
+        self.stats["kv_rebuilds"] += 1
+        self.stats["kv_copied_tokens"] += sum(r.length for r in batch.rows)
 
     @staticmethod
     def _rng_of(session: GenerationSession) -> torch.Generator:
