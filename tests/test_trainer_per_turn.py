@@ -131,3 +131,63 @@ def test_per_turn_refusals(tmp_path):
         MultiTurnGRPOConfig(output_dir=str(tmp_path), turn_layout="per_turn", balance_micro_batches=False)
     with pytest.raises(ValueError, match="turn_layout=.*not valid"):
         MultiTurnGRPOConfig(output_dir=str(tmp_path), turn_layout="rows")
+
+
+def test_evaluation_scores_the_per_turn_rows_with_the_reference_on_their_contexts(
+        tmp_path, smollm2_tokenizer, tiny_model_factory):
+    """``trainer.evaluate()`` on an ``eval_dataset`` under a thinking template: the loss is computed on the rows
+    training would see (each turn on the context it was generated from, N_g over the trajectory's rows), and the
+    reference's log-probs for the KL term are scored on those contexts, not cut from the single sequence."""
+    from peft import LoraConfig
+
+    tok = with_template(smollm2_tokenizer, THINK_DROPPING)
+    questions = Dataset.from_dict({"q": ["capital of France?", "capital of Peru?"]})
+    args = MultiTurnGRPOConfig(
+        output_dir=str(tmp_path / "out"), num_generations=2, prompts_per_rollout=2, mini_batch_size=4,
+        micro_batch_size=2, per_device_eval_batch_size=4, max_completion_length=160, max_turns=3, max_steps=1,
+        logging_steps=1, beta=0.05, report_to="none", save_strategy="no", seed=0, turn_layout="per_turn",
+    )
+    trainer = MultiTurnGRPOTrainer(
+        model=tiny_model_factory(seed=2), args=args, processing_class=tok, protocol=ChatToolProtocol(),
+        train_dataset=questions, eval_dataset=questions, environment_factory=SearchLikeEnv,
+        reward_funcs=[alternating_reward],
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),  # reference: adapter off
+    )
+    with torch.no_grad():  # a trained-looking adapter: the policy differs from the reference
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    scripts = [tok(t, add_special_tokens=False)["input_ids"] for t in THINK_TURNS]
+    policy = ScriptedLM(lambda ctx: [scripts[1] if "<tool_response>" in tok.decode(ctx) else scripts[0]],
+                        len(tok), tok.eos_token_id)
+    trainer._run_rollout = lambda inputs: trainer.rollout.run(inputs, TransformersGenerator(policy, tok),
+                                                               trainer._sampling_params())
+    rec = Recorder(trainer)
+    seen = []
+    compute_loss = trainer.compute_loss
+    trainer.compute_loss = lambda model, inputs, *a, **k: seen.append(inputs) or compute_loss(model, inputs, *a, **k)
+    metrics = trainer.evaluate()
+
+    trajs = [t for rollout in rec.rollouts for t in rollout]
+    assert trajs and all(t.info["actions"] == ["tool", "answer"] for t in trajs)
+    expected = {(tuple(ctx + ids), tuple(ids)) for t in trajs for ctx, ids, _ in t.turn_rows()}
+    rows = set()
+    for inputs in seen:
+        assert "sequence_tokens" in inputs  # N_g over the trajectory's rows, not the row's own tokens
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        width = inputs["completion_ids"].size(1)
+        with torch.no_grad(), trainer.model.disable_adapter():
+            position = (mask.cumsum(1) - 1).clamp(min=0)
+            logits = trainer.model(input_ids=ids, attention_mask=mask, position_ids=position).logits.float()
+        ref = torch.log_softmax(logits[:, -width - 1 : -1], -1).gather(-1, inputs["completion_ids"].unsqueeze(-1))
+        loss_mask = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
+        torch.testing.assert_close(inputs["ref_per_token_logps"][loss_mask], ref.squeeze(-1)[loss_mask],
+                                   atol=1e-4, rtol=1e-4)
+        for b in range(ids.size(0)):
+            real = inputs["completion_mask"][b].bool()
+            prompt = inputs["prompt_ids"][b][inputs["prompt_mask"][b].bool()].tolist()
+            trained = inputs["completion_ids"][b][real & inputs["tool_mask"][b].bool()].tolist()
+            rows.add((tuple(prompt + inputs["completion_ids"][b][real].tolist()), tuple(trained)))
+    assert rows == expected and len(rows) > len({tuple(t.input_ids) for t in trajs})  # per turn, not per sequence
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"])) and metrics["eval_loss/kl"] > 0  # policy != reference

@@ -11,6 +11,7 @@ This file is the glue between TRL 1.16 and the pieces that do the work; one trai
       shuffle_groups, [per turn: expand into one row per turn]                       trl_multiturn.turn_rows
       balanced_micro_batches, attach_normalizers                                     trl_multiturn.batching
       _score_old_logps               pi_old per micro-batch, in the training layout
+    _prepare_inputs (eval)           TRL's rollout and scoring; per turn: expanded, pi_ref on the rows' contexts
     compute_loss (per micro-batch)
       _get_per_token_logps_and_entropies -> LayoutScorer.score, (b, C)                trl_multiturn.scoring
       grpo_loss                      ratio, clip, KL, aggregation                      trl_multiturn.loss
@@ -63,8 +64,8 @@ logger = logging.getLogger(__name__)
 class _SkipEmptyUpdate(TrainerCallback):
     """Skips the optimizer update of a step whose rollout has no loss token on any rank: every trajectory dropped
     (environment failures, non-finite rewards, skipped prompts) or masked (``mask_truncated_completions``). Its
-    gradient is zero, but Adam would still move the parameters with the moments of
-    earlier steps; with the gradients set to None the optimizer leaves parameters, moments and step count alone."""
+    gradient is zero, but Adam would still move the parameters with the moments of earlier steps; with the gradients
+    set to None the optimizer leaves parameters, moments and step count alone."""
 
     def __init__(self, trainer: "MultiTurnGRPOTrainer"):
         self.trainer = trainer
@@ -110,8 +111,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         factory, protocol, self._environment_name = resolve_environment(
             environment_factory, protocol, args, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         funcs, args = reward_functions(reward_funcs, args)
-        self.protocol, self._environment_factory = protocol, factory
-        self._rollout_all_dropped, self._warned_budget = False, False
+        self.protocol, self._environment_factory, self._rollout_all_dropped, self._warned_budget = protocol, factory, False, False
         self._pending_trajectories: list[Trajectory] | None = None
         self._step_stats = metrics.StepStats()
         super().__init__(
@@ -123,8 +123,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         check_sharded_generation(args, DistributedBackend(self.accelerator))
         check_aux_loss(self.aux_loss_enabled, self.model, self.router_aux_loss_coef)
         self._balance_values, self._balance_quotas = dynamic_sampling_balance(args, self.train_dataset)
-        # TRL decides truncation by "last token is not EOS", which is wrong for tag protocols (a turn ends at
-        # </answer>); the rollout knows which trajectories hit a limit, so this trainer applies the mask itself.
+        # TRL decides truncation by "last token is not EOS", wrong for tag protocols (a turn ends at </answer>)
         self._mask_truncated, self.mask_truncated_completions = bool(args.mask_truncated_completions), False
         self._scorer = LayoutScorer(self.accelerator, self.args)
         self._defer_old_logps = False  # set while TRL scores a rollout: see _get_per_token_logps_and_entropies
@@ -140,8 +139,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             turn_reward_gate=args.turn_reward_gate))
         self._turn_rows = TurnRowRegistry() if args.turn_layout == "per_turn" else None
         self.add_callback(_SkipEmptyUpdate(self))
-        # One sampling stream per rank: ranks that hold members of the same group (prompts_per_rollout not a multiple
-        # of the number of processes) would otherwise sample them identically.
+        # One sampling stream per rank: ranks holding members of one group would otherwise sample them identically
         self._sampling_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._vllm_generator: VLLMGenerator | None = None
 
@@ -203,9 +201,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             if "prompt" not in x:
                 x["prompt"] = self._tokenizer.decode(t.prompt_ids, skip_special_tokens=False)
         self._pending_trajectories = trajs
-        # pi_old is scored per micro-batch in _prepare_inputs, with the training pass's own forward; TRL's pass over
-        # the rollout (another layout and partition) is skipped, unless vLLM's importance sampling needs it now.
-        # In evaluation nothing is updated between scoring and the loss: pi_old is the loss's own forward.
+        # pi_old is scored per micro-batch in _prepare_inputs, with the training pass's own forward (TRL's pass is
+        # skipped unless vLLM's importance sampling needs it); in evaluation pi_old is the loss's own forward.
         generate_every = self.args.steps_per_generation * self.num_iterations  # TRL scores pi_old when this holds:
         frozen_old = self.args.gradient_accumulation_steps % generate_every != 0
         deferred = frozen_old and not (self.use_vllm and self.vllm_importance_sampling_correction)
@@ -217,7 +214,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if deferred and mode == "eval":
             output.pop("old_per_token_logps", None)
         self._replace_advantages(output, trajs, mode)
-        if self._turn_rows is not None and mode == "train":
+        if self._turn_rows is not None:
             self._turn_rows.register(output, trajs)  # expanded into one row per turn in _prepare_inputs
         group = self.num_generations if mode == "train" else self.num_generations_eval
         self.last_stop_reasons = metrics.log_rollout(self._metrics[mode], trajs, self.accelerator, group)
@@ -266,7 +263,11 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     # ------------------------------------------------------------------ batching
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
-            return super()._prepare_inputs(generation_batch)
+            batch = super()._prepare_inputs(generation_batch)
+            if self._turn_rows is not None:  # the per-turn objective: the rows training sees, pi_ref on their contexts
+                batch = self._turn_rows.expand(batch, self._tokenizer.pad_token_id)[0]
+                self._score_old_logps([batch], key="ref_per_token_logps") if self.beta != 0.0 else None
+            return batch
         steps, accum = self.args.steps_per_generation, self.args.gradient_accumulation_steps
         if self._step % (steps * self.num_iterations) == 0 or self._buffered_inputs is None:
             if self.args.dynamic_sampling:
@@ -336,10 +337,9 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         return batch
 
     def _score_old_logps(self, chunks: list[dict], key: str = "old_per_token_logps") -> None:
-        """Each micro-batch's ``old_per_token_logps`` (b, C) from the call :meth:`compute_loss` makes on it: the same
-        rows, layout and one-time checks, before any update. On a fresh rollout ``pi / pi_old`` is then exactly 1
-        without dropout, and the cost is one no-gradient forward, as TRL's. With ``key="ref_per_token_logps"`` the
-        reference model's, chosen as TRL chooses it (the per-turn layout's rows are not TRL's)."""
+        """Each micro-batch's ``old_per_token_logps`` (b, C) from the call :meth:`compute_loss` makes on it (same rows,
+        layout, one-time checks), before any update: a fresh ratio is exactly 1 without dropout, for one no-gradient
+        forward. ``key="ref_per_token_logps"``: the reference model's, chosen as TRL does (per-turn rows are ours)."""
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
                 reference_model(self, key == "ref_per_token_logps") as model:
             for chunk in chunks:
@@ -380,7 +380,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old  # (B, C)
         global_norm = mode == "train" and "mb_num_sequences" in inputs  # normalizers summed over all ranks
-        n_seq, n_tok = (inputs["mb_num_sequences"], inputs["mb_num_tokens"]) if global_norm else loss_normalizers(mask)
+        n_seq, n_tok = ((inputs["mb_num_sequences"], inputs["mb_num_tokens"]) if global_norm
+                        else loss_normalizers(mask, inputs.get("sequence_tokens")))
         loss, stats = grpo_loss(
             logps, old, inputs["advantages"], mask, ref_logprobs=inputs.get("ref_per_token_logps"),
             importance_sampling_ratio=inputs.get("importance_sampling_ratio"), beta=self.beta,
