@@ -67,7 +67,10 @@ G members of a group write the same text, and with advantages that sum to zero o
 gradients cancel (``grad_norm`` ~1e-8). The compute of the step is that of a real one (every forward and backward
 runs in full, and the optimizer updates the adapter), but the first-step gradient norms cannot be compared beyond
 "both ~0"; the first-step loss (~0 on both) and the identical token ids are what show that both trained on the same
-batch. The work check compares, per step, the trajectories, their turns, generated and observation tokens and their
+batch. (8) Because the members of a group write the same text, our prefix-tree forward would compute a group's
+completions once (it lays out a run that rows continue alike past their prompt once): a saving that real samples,
+which diverge right after the prompt, do not give. Ours is therefore run with that deeper sharing off and shares
+the prompt only (``--share-past-prompts`` turns it back on, to see the identical-text case). The work check compares, per step, the trajectories, their turns, generated and observation tokens and their
 token ids; a difference is printed and recorded (``same_work``), not hidden.
 
 Results go to ``--out`` as JSON (the command, machine, thread counts and versions included).
@@ -238,9 +241,12 @@ def build_ours(model, tok, dataset, env_class, args, out_dir):
         mini_batch_size=args.prompts * args.group_size, micro_batch_size=args.micro_batch, max_turns=args.turns,
         max_tokens_per_turn=None, max_observation_tokens=None, env_timeout=None, advantage_eps=1e-4,
     )
-    return MultiTurnGRPOTrainer(model=model, reward_funcs=[position_reward], args=config, processing_class=tok,
-                                train_dataset=dataset, environment_factory=env_class,
-                                protocol=ChatToolProtocol(max_observation_tokens=None), peft_config=peft_config(args))
+    trainer = MultiTurnGRPOTrainer(model=model, reward_funcs=[position_reward], args=config, processing_class=tok,
+                                   train_dataset=dataset, environment_factory=env_class,
+                                   protocol=ChatToolProtocol(max_observation_tokens=None), peft_config=peft_config(args))
+    if not args.share_past_prompts:
+        trainer._scorer.tree = False  # the prompt only, as on real samples (see (8) above)
+    return trainer
 
 
 @contextlib.contextmanager
@@ -419,6 +425,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank on every linear layer; 0: full fine-tuning")
     parser.add_argument("--lora-alpha", type=int, default=32)
     parser.add_argument("--no-gradient-checkpointing", action="store_true", help="both sides without it")
+    parser.add_argument("--share-past-prompts", action="store_true",
+                        help="let ours's prefix tree also share what a group's members write alike past the prompt; "
+                        "the forced members write identical text, real samples do not (default: the prompt only)")
     parser.add_argument("--steps", type=int, default=3, help="measured optimizer steps per side and round")
     parser.add_argument("--warmup", type=int, default=1, help="optimizer steps run first and discarded")
     parser.add_argument("--repeats", type=int, default=2, help="rounds; each builds fresh trainers")

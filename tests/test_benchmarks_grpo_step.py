@@ -52,6 +52,9 @@ def test_grpo_step_benchmark_smoke(tmp_path):
     assert trl["generated_tokens"] == ours["generated_tokens"] > 0
     assert trl["observation_tokens"] == ours["observation_tokens"] > 0
     assert trl["trained_tokens"] == ours["trained_tokens"]
+    # ours shares the prompt only: the members' identical forced completions are each computed, as real samples are
+    assert saved["settings"]["share_past_prompts"] is False
+    assert rnd["ours"]["train_forward_positions_per_step"] >= ours["generated_tokens"] + ours["observation_tokens"]
     assert saved["same_work"] and saved["identical_token_ids"]
     assert set(saved["config_differences_trl_ours"]) <= {"loss_aggregation", "trainable_parameters"}
     # what the benchmark reports
