@@ -130,3 +130,18 @@ def test_learning_proof_curve_matches_the_committed_records(tmp_path):
                 assert q["ci_low"] <= q["diff"] <= q["ci_high"]
     assert seeds[0][1]["step"] == 4 and seeds[0][1]["paired"]["hops_2"]["diff"] == pytest.approx(-21 / 128)
     assert "](images/learning_proof.png)" in (DOCS / "search_agent.md").read_text()
+
+
+def test_groups_figure_pairs_each_run_with_the_warm_start(tmp_path):
+    script = _load("plot_learning_proof")
+    script.main(["--out", str(tmp_path)])
+    assert _png_size(tmp_path / "learning_proof_groups.png")[0] > 800
+    runs = script.load_group_runs()
+    labels = [label for label, _ in script.GROUP_RUNS]
+    for seed in (0, 1):  # the 12- and 24-group runs of both seeds are committed
+        got = [p["label"] for p in runs[seed]]
+        assert got[:2] == labels[:2] and got == sorted(got, key=labels.index)
+    # the 24-group seed-1 run: 0.656 against 0.605 on the same 256 questions, 13 more solved
+    q = runs[1][1]["paired"]["all"]
+    assert q["n"] == 256 and q["diff"] == pytest.approx(13 / 256) and q["ci_low"] <= q["diff"] <= q["ci_high"]
+    assert "](images/learning_proof_groups.png)" in (DOCS / "search_agent.md").read_text()

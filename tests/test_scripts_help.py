@@ -9,6 +9,7 @@ scripts/test.sh) reuse an installed .venv and pass their arguments on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib.util
 import os
@@ -94,12 +95,27 @@ def test_every_parsed_help_string_formats():
         assert "usage:" in TrlParser(types).format_help()
 
 
+def _run_help(script: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *script.split(), "--help"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def help_runs(request):
+    """The ``--help`` of every script this session selected, run as a user runs it, one subprocess per core at a
+    time (each one mostly imports torch and TRL, so a pool as wide as the machine finishes them in about 1/cores of
+    the time)."""
+    selected = [item.callspec.params["script"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_script_help"]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(selected, pool.map(_run_help, selected)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_script_help(script):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, *script.split(), "--help"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+def test_script_help(script, help_runs):
+    proc = help_runs[script]
     assert proc.returncode == 0, f"{script} --help exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     assert proc.stdout.lstrip().startswith("usage:"), proc.stdout[:500]
 

@@ -3,6 +3,10 @@
     python docs/scripts/plot_learning_proof.py                  # rewrite docs/images/learning_proof.png
     python docs/scripts/plot_learning_proof.py --out /tmp/figs  # elsewhere
 
+It also draws ``learning_proof_groups.png``: the paired change against the warm start of the runs that take one
+on-policy optimizer step per rollout, by the number of groups with reward variance in that step (``GROUP_RUNS``:
+12 groups x 2 steps, 24 x 1, 32 x 1), per seed and subset, each point with its paired bootstrap 95% interval.
+
 Step 0 is the warm start (``eval_warm_start.json``); each ``grpo_seed<S>_eval_step<N>.json`` is seed S's adapter after
 N GRPO optimizer steps, evaluated greedily on the same 256 questions (128 1-hop, 128 2-hop). One panel per subset
 (overall, 1-hop, 2-hop): exact match per step and seed, with the paired bootstrap 95% interval of the difference to
@@ -20,6 +24,12 @@ DOCS = Path(__file__).resolve().parents[1]
 RESULTS = DOCS / "results" / "learning_proof"
 IMAGES = DOCS / "images"
 SUBSETS = (("all", "overall"), ("hops_1", "1-hop"), ("hops_2", "2-hop"))
+# (label, evaluation file pattern with {seed}): one on-policy step per rollout, by the kept groups in that step
+GROUP_RUNS = (
+    ("12 groups x 2 steps", "onestep_seed{seed}_eval_step2.json"),
+    ("24 groups x 1 step", "bigstep_seed{seed}_eval_step1.json"),
+    ("32 groups x 1 step", "step32_seed{seed}_eval_step1.json"),
+)
 
 
 def load_points(results: Path = RESULTS) -> dict[int, list[dict]]:
@@ -35,6 +45,51 @@ def load_points(results: Path = RESULTS) -> dict[int, list[dict]]:
         seeds.setdefault(seed, [{"step": 0, "summary": warm["summary"], "paired": None}])
         seeds[seed].append({"step": step, "summary": data["summary"], "paired": paired})
     return {s: sorted(p, key=lambda p: p["step"]) for s, p in seeds.items()}
+
+
+def load_group_runs(results: Path = RESULTS, seeds: tuple[int, ...] = (0, 1)) -> dict[int, list[dict]]:
+    """Seed -> ``[{"label", "summary", "paired"}]`` in ``GROUP_RUNS`` order, for the runs whose records exist."""
+    from trl_multiturn.search.evaluation import compare_evaluations
+
+    warm = json.loads((results / "eval_warm_start.json").read_text())
+    runs: dict[int, list[dict]] = {}
+    for seed in seeds:
+        for label, pattern in GROUP_RUNS:
+            path = results / pattern.format(seed=seed)
+            if not path.exists():
+                continue
+            data = json.loads(path.read_text())
+            paired = compare_evaluations(warm["records"], data["records"], metrics=["exact_match"])["exact_match"]
+            runs.setdefault(seed, []).append({"label": label, "summary": data["summary"], "paired": paired})
+    return runs
+
+
+def plot_group_runs(runs: dict[int, list[dict]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [label for label, _ in GROUP_RUNS]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), sharey=True)
+    for ax, (key, name) in zip(axes, SUBSETS):
+        for offset, (seed, points) in zip((-0.08, 0.08), runs.items()):
+            x = [labels.index(p["label"]) + offset for p in points]
+            diff = [p["paired"][key]["diff"] for p in points]
+            yerr = [[p["paired"][key]["diff"] - p["paired"][key]["ci_low"] for p in points],
+                    [p["paired"][key]["ci_high"] - p["paired"][key]["diff"] for p in points]]
+            ax.errorbar(x, diff, yerr=yerr, marker="o", capsize=3, linestyle="none", label=f"seed {seed}")
+        ax.axhline(0.0, color="gray", linestyle=":")
+        ax.set_xticks(range(len(labels)), [label.replace(" x ", "\nx ") for label in labels], fontsize=8)
+        ax.set_title(name)
+    axes[0].set_ylabel("held-out EM minus warm start (greedy)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("one on-policy step per rollout, by kept groups in the step; bars: paired 95% CI "
+                 "(docs/results/learning_proof)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot(seeds: dict[int, list[dict]], path: Path) -> Path:
@@ -68,9 +123,11 @@ def plot(seeds: dict[int, list[dict]], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=IMAGES, help="Folder for learning_proof.png.")
+    parser.add_argument("--out", type=Path, default=IMAGES,
+                        help="Folder for learning_proof.png and learning_proof_groups.png.")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    plot_group_runs(load_group_runs(), args.out / "learning_proof_groups.png")
     return plot(load_points(), args.out / "learning_proof.png")
 
 
