@@ -50,6 +50,7 @@ class SearchAgentArguments:
     topk: int = field(default=3, metadata={"help": "Documents returned per search."})
     max_searches: int = field(default=3, metadata={"help": "Searches allowed per episode."})
     retrieval_hit_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for the first search that surfaces a gold answer (0 = off)."})
+    redundant_search_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for every search issued after a gold answer was already retrieved in the episode: a cost when below 0 (e.g. -1.0), for searching on once the answer is in the context (0 = off). Needs a turn_advantage other than 'trajectory' to reach the tokens of that turn, as retrieval_hit_reward does."})
     offline_entities: int = field(default=300, metadata={"help": "People in the generated knowledge base (both splits)."})
     kb_seed: int = field(default=0, metadata={"help": "Seed of the generated knowledge base."})
     question_hops: str = field(default="all", metadata={"help": "Keep only questions with this many hops, training and held-out: '1', '2' or 'all' (questions without a 'hops' field count as 1)."})
@@ -351,7 +352,8 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
 
     def env_factory():
         return SearchEnvironment(retriever, topk=script_args.topk, max_searches=script_args.max_searches,
-                                 retrieval_hit_reward=script_args.retrieval_hit_reward)
+                                 retrieval_hit_reward=script_args.retrieval_hit_reward,
+                                 redundant_search_reward=script_args.redundant_search_reward)
 
     base_path, model, tokenizer = load_model(model_args, training_args)
     peft_config = get_peft_config(model_args)

@@ -434,6 +434,29 @@ def test_turn_reward_gate_zeroes_the_turn_rewards_of_trajectories_that_never_ans
         t.validate()
 
 
+class CostEnv(SearchLikeEnv):
+    """SearchLikeEnv whose first search earns 0.5 and every later one costs -1.0 (a redundant search's cost)."""
+
+    def step(self, action):
+        step = super().step(action)
+        if action.kind == "tool":
+            self.searched = getattr(self, "searched", 0) + 1
+            step.reward = 0.5 if self.searched == 1 else -1.0
+        return step
+
+
+def test_turn_reward_gate_keeps_the_costs_of_trajectories_that_never_answered(smollm2_tokenizer):
+    """The gate drops credits only: searching on until the turns run out does not shed the searches' costs."""
+    tok = smollm2_tokenizer
+    gen = ReplayGenerator(tok, ["<search>again</search>"])
+    (t,) = make_rollout(CostEnv, tok, turn_reward_gate="finished", max_turns=3).run([{"q": "x"}], gen,
+                                                                                     SamplingParams())
+    assert t.info["stop_reason"] == "max_turns" and t.num_turns == 3
+    assert t.info["gated_turn_rewards"] == [0.5, -1.0, -1.0]
+    assert t.turn_rewards == [0.0, -1.0, -1.0]
+    t.validate()
+
+
 def test_turn_reward_gate_is_validated():
     with pytest.raises(ValueError, match="turn_reward_gate must be one of"):
         RolloutConfig(turn_reward_gate="answered")

@@ -283,8 +283,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
     turn_advantage (`str`, defaults to `"trajectory"`): "trajectory", "mt-grpo" or "discounted".
     turn_advantage_gamma (`float`, defaults to `1.0`): discount for "discounted".
     turn_advantage_weight (`float`, defaults to `1.0`): weight of the turn-level term for "mt-grpo".
-    turn_reward_gate (`str`, defaults to `"none"`): "finished" zeroes the per-turn rewards of trajectories that did
-        not answer (out of turns or tokens).
+    turn_reward_gate (`str`, defaults to `"none"`): "finished" zeroes the positive per-turn rewards of trajectories
+        that did not answer (out of turns or tokens); negative ones (costs) stay.
     advantage_eps (`float`, defaults to `1e-6`): epsilon in `(r - mean) / (std + eps)` (VeRL's value).
 
     > Parameters that control dynamic sampling (DAPO)
@@ -408,10 +408,11 @@ class MultiTurnGRPOConfig(GRPOConfig):
     turn_reward_gate: str = field(
         default="none",
         metadata={
-            "help": "'none' or 'finished': with 'finished', the environment's per-turn rewards of a trajectory that "
-            "did not end by answering (or by the environment's done), i.e. ran out of turns or tokens, are set to 0 "
-            "before rewards and advantages are computed. A shaping reward (e.g. a retrieval hit) then never pays a "
-            "trajectory that produced no answer."
+            "help": "'none' or 'finished': with 'finished', the environment's positive per-turn rewards of a "
+            "trajectory that did not end by answering (or by the environment's done), i.e. ran out of turns or "
+            "tokens, are set to 0 before rewards and advantages are computed; negative ones (costs) are kept. A "
+            "shaping reward (e.g. a retrieval hit) then never pays a trajectory that produced no answer, and a cost "
+            "(e.g. a redundant search) cannot be shed by never answering."
         },
     )
     advantage_eps: float = field(

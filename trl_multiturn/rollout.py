@@ -139,8 +139,9 @@ class RolloutConfig:
     turn generated from its own rendered context, recorded in ``Trajectory.turn_contexts``); ``context_fn`` (per-turn
     only) maps the message history to the messages the next turn sees (:mod:`trl_multiturn.context`).
     ``turn_reward_gate`` is ``"none"`` (every per-turn reward kept) or ``"finished"``: a trajectory that did not end
-    by answering or by the environment's ``done`` (out of turns, out of tokens) has its per-turn rewards set to 0,
-    the rewards it earned kept in ``info["gated_turn_rewards"]``.
+    by answering or by the environment's ``done`` (out of turns, out of tokens) has its positive per-turn rewards
+    (credits) set to 0, the rewards it earned kept in ``info["gated_turn_rewards"]``; its negative ones (costs, e.g. a
+    redundant search's) stay, so a trajectory cannot shed a cost by never answering.
     """
 
     max_turns: int = 4
@@ -309,9 +310,9 @@ class MultiTurnRollout:
                 trajs[i].info["stop_reason"] = "max_turns"
         if cfg.turn_reward_gate == "finished":
             for t in trajs:
-                if t.info.get("stop_reason") not in FINISHED and any(t.turn_rewards):
+                if t.info.get("stop_reason") not in FINISHED and any(r > 0 for r in t.turn_rewards):
                     t.info["gated_turn_rewards"] = list(t.turn_rewards)
-                    t.turn_rewards = [0.0] * len(t.turn_rewards)
+                    t.turn_rewards = [min(r, 0.0) for r in t.turn_rewards]  # credits dropped, costs kept
         for t in trajs:
             if not t.completion_ids:  # TRL needs at least one completion token; a masked EOS carries no loss
                 t.add_observation([tok.eos_token_id])

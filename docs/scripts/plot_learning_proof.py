@@ -32,35 +32,36 @@ GROUP_RUNS = (
 )
 
 
-def load_points(results: Path = RESULTS) -> dict[int, list[dict]]:
-    """Seed -> ``[{"step", "summary", "paired"}]`` sorted by step, step 0 being the warm start."""
+def _against_warm_start(warm: dict, path: Path) -> dict:
+    """``{"summary", "paired"}`` of the evaluation at ``path``: its summary and its paired exact-match comparison
+    with the warm start's records ``warm``."""
     from trl_multiturn.search.evaluation import compare_evaluations
 
+    data = json.loads(path.read_text())
+    paired = compare_evaluations(warm["records"], data["records"], metrics=["exact_match"])["exact_match"]
+    return {"summary": data["summary"], "paired": paired}
+
+
+def load_points(results: Path = RESULTS) -> dict[int, list[dict]]:
+    """Seed -> ``[{"step", "summary", "paired"}]`` sorted by step, step 0 being the warm start."""
     warm = json.loads((results / "eval_warm_start.json").read_text())
     seeds: dict[int, list[dict]] = {}
     for path in sorted(results.glob("grpo_seed*_eval_step*.json")):
         seed, step = map(int, re.fullmatch(r"grpo_seed(\d+)_eval_step(\d+)\.json", path.name).groups())
-        data = json.loads(path.read_text())
-        paired = compare_evaluations(warm["records"], data["records"], metrics=["exact_match"])["exact_match"]
         seeds.setdefault(seed, [{"step": 0, "summary": warm["summary"], "paired": None}])
-        seeds[seed].append({"step": step, "summary": data["summary"], "paired": paired})
+        seeds[seed].append({"step": step, **_against_warm_start(warm, path)})
     return {s: sorted(p, key=lambda p: p["step"]) for s, p in seeds.items()}
 
 
 def load_group_runs(results: Path = RESULTS, seeds: tuple[int, ...] = (0, 1)) -> dict[int, list[dict]]:
     """Seed -> ``[{"label", "summary", "paired"}]`` in ``GROUP_RUNS`` order, for the runs whose records exist."""
-    from trl_multiturn.search.evaluation import compare_evaluations
-
     warm = json.loads((results / "eval_warm_start.json").read_text())
     runs: dict[int, list[dict]] = {}
     for seed in seeds:
         for label, pattern in GROUP_RUNS:
             path = results / pattern.format(seed=seed)
-            if not path.exists():
-                continue
-            data = json.loads(path.read_text())
-            paired = compare_evaluations(warm["records"], data["records"], metrics=["exact_match"])["exact_match"]
-            runs.setdefault(seed, []).append({"label": label, "summary": data["summary"], "paired": paired})
+            if path.exists():
+                runs.setdefault(seed, []).append({"label": label, **_against_warm_start(warm, path)})
     return runs
 
 

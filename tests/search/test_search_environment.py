@@ -137,6 +137,27 @@ def test_retrieval_hit_reward_is_paid_once(small_bm25):
     assert env.step(search("x")).info["num_retrieval_hits"] == 2
 
 
+def test_redundant_search_reward_charges_every_search_after_the_answer_was_retrieved(small_bm25):
+    env = SearchEnvironment(small_bm25, topk=1, retrieval_hit_reward=0.2, redundant_search_reward=-1.0)
+    env.reset(ROW)
+    first = env.step(search("copper wire"))  # no answer in it: not redundant, no credit
+    assert first.reward == 0.0 and first.info["redundant_search"] is False
+    hit = env.step(search("Zorvek Talamir"))
+    assert hit.reward == 0.2 and hit.info["redundant_search"] is False
+    for query in ("copper wire", "Zorvek Talamir"):  # after the hit, any search costs, whatever it finds
+        step = env.step(search(query))
+        assert step.reward == -1.0 and step.info["redundant_search"] is True
+    env.reset(ROW)  # a new episode starts without the cost
+    assert env.step(search("Zorvek Talamir")).reward == 0.2
+    capped = SearchEnvironment(small_bm25, topk=1, max_searches=1, redundant_search_reward=-1.0)
+    capped.reset(ROW)
+    capped.step(search("Zorvek Talamir"))
+    refused = capped.step(search("Zorvek Talamir"))  # refused by the budget: not retrieved, not charged
+    assert refused.info["action"] == "search_limit" and refused.reward == 0.0
+    with pytest.raises(ValueError, match="redundant_search_reward must be a finite number; got nan"):
+        SearchEnvironment(small_bm25, redundant_search_reward=float("nan"))
+
+
 def test_reset_checks_columns_and_starts_fresh(small_bm25):
     env = SearchEnvironment(small_bm25)
     assert env.required_columns == ("question", "golden_answers")

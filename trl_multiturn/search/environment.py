@@ -22,6 +22,7 @@ rollout; (4) an optional per-turn reward for the first search that surfaces a go
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,13 +84,16 @@ class SearchEnvironment:
             missing, as Search-R1 does).
         retrieval_hit_reward: per-turn reward for the FIRST search of the episode whose documents contain a gold
             answer (normalized substring, Search-R1's retrieval check); 0.0 turns it off.
+        redundant_search_reward: per-turn reward for EVERY search issued after an earlier search of the episode
+            already returned a gold answer: a cost when below 0 (e.g. -1.0), for searching on once the answer is in
+            the context; 0.0 turns it off. A search refused by ``max_searches`` is not retrieved and not charged.
         tool_name: the tool name the protocol gives search actions.
 
     Columns read from a row: ``question`` and ``golden_answers`` (``required_columns``); ``gold_doc_ids`` and
     ``id`` when present (gold document hits are then reported).
 
     ``info`` of each step: ``action`` ("search", "answer", "invalid", "search_limit", "retrieval_error"), and for
-    searches ``query``, ``doc_ids``, ``retrieval_hit``, ``gold_doc_hit``; for answers ``answer``, ``exact_match``,
+    searches ``query``, ``doc_ids``, ``retrieval_hit``, ``redundant_search``, ``gold_doc_hit``; for answers ``answer``, ``exact_match``,
     ``substring_match``, ``f1``; always the running totals ``num_searches``, ``num_retrieval_hits``,
     ``num_invalid``, ``num_search_limit``, ``num_retrieval_errors``.
     """
@@ -103,6 +107,7 @@ class SearchEnvironment:
         max_searches: int = 4,
         prompt_template: str = SEARCH_R1_TEMPLATE,
         retrieval_hit_reward: float = 0.0,
+        redundant_search_reward: float = 0.0,
         tool_name: str = "search",
     ) -> None:
         if not hasattr(retriever, "retrieve"):
@@ -117,7 +122,12 @@ class SearchEnvironment:
         self.topk = topk
         self.max_searches = max_searches
         self.prompt_template = prompt_template
+        for name, value in (("retrieval_hit_reward", retrieval_hit_reward),
+                            ("redundant_search_reward", redundant_search_reward)):
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number; got {value!r}.")
         self.retrieval_hit_reward = retrieval_hit_reward
+        self.redundant_search_reward = redundant_search_reward
         self.tool_name = tool_name
         self.example: dict[str, Any] = {}
         self._reset_state()
@@ -196,13 +206,18 @@ class SearchEnvironment:
         self.queries.append(query)
         self.retrieved_doc_ids.append(doc_ids)
         hit = answer_in_text(observation, self.golden_answers)
-        reward = self.retrieval_hit_reward if hit and self.num_retrieval_hits == 0 else 0.0
+        redundant = self.num_retrieval_hits > 0  # the answer was already in the context before this search
+        if redundant:
+            reward = self.redundant_search_reward
+        else:
+            reward = self.retrieval_hit_reward if hit else 0.0
         self.num_retrieval_hits += int(hit)
         info = {
             "action": "search",
             "query": query,
             "doc_ids": doc_ids,
             "retrieval_hit": hit,
+            "redundant_search": redundant,
             "gold_doc_hit": bool(self.gold_doc_ids & set(doc_ids)) if self.gold_doc_ids else None,
         }
         return self._step(observation, info, reward=reward)
