@@ -50,7 +50,7 @@ class SearchAgentArguments:
     topk: int = field(default=3, metadata={"help": "Documents returned per search."})
     max_searches: int = field(default=3, metadata={"help": "Searches allowed per episode."})
     retrieval_hit_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for the first search that surfaces a gold answer (0 = off)."})
-    redundant_search_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for every search issued after a gold answer was already retrieved in the episode: a cost when below 0 (e.g. -1.0), for searching on once the answer is in the context (0 = off). Needs a turn_advantage other than 'trajectory' to reach the tokens of that turn, as retrieval_hit_reward does."})
+    redundant_search_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for every search issued after a gold answer was already retrieved in the episode: a cost when below 0 (e.g. -1.0), for searching on once the answer is in the context (0 = off). Like retrieval_hit_reward it is part of the environment's reward (env_reward); a turn_advantage other than 'trajectory' also credits it to the turns up to that search."})
     offline_entities: int = field(default=300, metadata={"help": "People in the generated knowledge base (both splits)."})
     kb_seed: int = field(default=0, metadata={"help": "Seed of the generated knowledge base."})
     question_hops: str = field(default="all", metadata={"help": "Keep only questions with this many hops, training and held-out: '1', '2' or 'all' (questions without a 'hops' field count as 1)."})

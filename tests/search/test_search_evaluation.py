@@ -88,3 +88,17 @@ def test_records_without_hops_count_only_overall():
     summary = summarize(records)
     assert list(summary) == ["all", "hops_2"] and summary["all"]["n"] == 2 and summary["hops_2"]["n"] == 1
     assert summary["all"]["exact_match"] == 0.5 and summary["hops_2"]["exact_match"] == 0.0
+
+
+def test_a_search_after_the_answer_was_retrieved_is_counted_as_redundant(small_bm25, smollm2_tokenizer):
+    """q1 with a budget of two searches: its first search already returns Quellport, so the second is redundant."""
+    tok = smollm2_tokenizer
+    script = [tok(t, add_special_tokens=False)["input_ids"] for t in SCRIPTS["Zorvek"]]
+    policy = ScriptedLM(lambda context_ids: script, len(tok), tok.eos_token_id)
+    out = evaluate_search_agent(
+        policy, tok, ROWS[:1], lambda: SearchEnvironment(small_bm25, topk=1, max_searches=2), protocol=TagProtocol(),
+        max_turns=3, max_completion_length=512, max_tokens_per_turn=32, batch_size=1, progress=False,
+    )
+    (record,) = out["records"]
+    assert (record["searches"], record["redundant_searches"], record["exact_match"]) == (2, 1, 1.0)
+    assert out["summary"]["all"]["redundant_searches"] == 1.0

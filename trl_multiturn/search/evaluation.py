@@ -33,7 +33,8 @@ from ..protocols import TagProtocol
 from ..rollout import MultiTurnRollout, RolloutConfig
 from .rewards import exact_match, f1, substring_match
 
-METRICS = ("exact_match", "substring_match", "f1", "searches", "invalid_rate", "answered", "turns", "answered_bridge")
+METRICS = ("exact_match", "substring_match", "f1", "searches", "invalid_rate", "answered", "turns", "answered_bridge",
+           "redundant_searches")
 
 
 def _record(row: dict, traj) -> dict[str, Any]:
@@ -49,6 +50,8 @@ def _record(row: dict, traj) -> dict[str, Any]:
         "f1": f1(answer, golds),
         # the environment's own count (a search past the budget is an action but no search)
         "searches": (traj.info.get("step_info") or [{}])[-1].get("num_searches", sum(a == "tool" for a in actions)),
+        # searches issued after a gold answer was already retrieved (SearchEnvironment's redundant_search)
+        "redundant_searches": sum(bool(i.get("redundant_search")) for i in traj.info.get("step_info") or []),
         "invalid_rate": (sum(1 for a in actions if a == "invalid") / len(actions)) if actions else 0.0,
         "answered": float(answer is not None),
         "turns": traj.num_turns,
