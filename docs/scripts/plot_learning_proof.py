@@ -5,7 +5,8 @@
 
 It also draws ``learning_proof_groups.png``: the paired change against the warm start of the runs that take one
 on-policy optimizer step per rollout, by the number of groups with reward variance in that step (``GROUP_RUNS``:
-12 groups x 2 steps, 24 x 1, 32 x 1, 32 x 1 with the redundant-search cost), per seed and subset, each point with its paired bootstrap 95% interval.
+12 groups x 2 steps, 24 x 1, 32 x 1, 32 x 1 with the redundant-search cost), per seed and subset, each point with
+its paired bootstrap 95% interval.
 
 Step 0 is the warm start (``eval_warm_start.json``); each ``grpo_seed<S>_eval_step<N>.json`` is seed S's adapter after
 N GRPO optimizer steps, evaluated greedily on the same 256 questions (128 1-hop, 128 2-hop). One panel per subset
@@ -82,7 +83,8 @@ def plot_group_runs(runs: dict[int, list[dict]], path: Path) -> Path:
                     [p["paired"][key]["ci_high"] - p["paired"][key]["diff"] for p in points]]
             ax.errorbar(x, diff, yerr=yerr, marker="o", capsize=3, linestyle="none", label=f"seed {seed}")
         ax.axhline(0.0, color="gray", linestyle=":")
-        ax.set_xticks(range(len(labels)), [label.replace(" x ", "\nx ").replace(" + ", "\n+ ") for label in labels], fontsize=8)
+        ticks = [label.replace(" x ", "\nx ").replace(" + ", "\n+ ") for label in labels]
+        ax.set_xticks(range(len(labels)), ticks, fontsize=8)
         ax.set_title(name)
     axes[0].set_ylabel("held-out EM minus warm start (greedy)")
     axes[0].legend(fontsize=8)

@@ -93,8 +93,8 @@ class SearchEnvironment:
     ``id`` when present (gold document hits are then reported).
 
     ``info`` of each step: ``action`` ("search", "answer", "invalid", "search_limit", "retrieval_error"), and for
-    searches ``query``, ``doc_ids``, ``retrieval_hit``, ``redundant_search``, ``gold_doc_hit``; for answers ``answer``, ``exact_match``,
-    ``substring_match``, ``f1``; always the running totals ``num_searches``, ``num_retrieval_hits``,
+    searches ``query``, ``doc_ids``, ``retrieval_hit``, ``redundant_search``, ``gold_doc_hit``; for answers
+    ``answer``, ``exact_match``, ``substring_match``, ``f1``; always the running totals ``num_searches``, ``num_retrieval_hits``,
     ``num_invalid``, ``num_search_limit``, ``num_retrieval_errors``.
     """
 
