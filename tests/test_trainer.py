@@ -807,3 +807,41 @@ def test_fixed_micro_batches_keep_groups_together_for_the_shared_prompt():
     assert all(len(prompts(c)) == 1 and len(c["prompt_ids"]) == 4 for c in plans[True])
     tokens = {share: sum(chunk_tokens(c, True, False, True)[0] for c in plan) for share, plan in plans.items()}
     assert tokens[True] == 2 * 29 + sum(c + 1 for c in [20, 3, 19, 2, 21, 4, 18, 1]) < tokens[False]
+
+
+def test_rollout_max_batch_size_bounds_the_decode_batch_and_keeps_the_samples(tmp_path, smollm2_tokenizer,
+                                                                               tiny_model_factory):
+    """rollout_max_batch_size reaches the generator (at most that many rows decode together) and, every trajectory
+    sampling from its own seeded generator, the rollout's tokens are those of the unbounded run."""
+
+    def rollout(limit):
+        trainer = MultiTurnGRPOTrainer(
+            model=tiny_model_factory(), args=make_args(tmp_path, max_steps=1, rollout_max_batch_size=limit),
+            train_dataset=dataset(), environment_factory=FeedbackEnv, reward_funcs=[vowel_reward],
+            processing_class=smollm2_tokenizer,
+        )
+        generators, run = [], trainer.rollout.run
+
+        def run_and_keep(inputs, generator, params):
+            generators.append(generator)
+            return run(inputs, generator, params)
+
+        trainer.rollout.run = run_and_keep
+        rec = Recorder(trainer)
+        trainer.train()
+        (gen,) = generators
+        return [t.completion_ids for t in rec.rollouts[0]], gen
+
+    unbounded, gen = rollout(None)
+    bounded, small = rollout(2)
+    assert gen.max_batch_size is None and small.max_batch_size == 2
+    assert small.stats["decode_positions"] <= 2 * small.stats["decode_steps"]
+    assert gen.stats["decode_positions"] > 2 * gen.stats["decode_steps"]  # 8 trajectories decode together otherwise
+    assert bounded == unbounded
+
+
+def test_rollout_max_batch_size_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="rollout_max_batch_size must be >= 1 or None; got 0"):
+        make_args(tmp_path, rollout_max_batch_size=0)
+    with pytest.raises(ValueError, match="rollout_max_batch_size=4 limits the Transformers generator only"):
+        make_args(tmp_path, rollout_max_batch_size=4, use_vllm=True)

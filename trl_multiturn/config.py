@@ -320,6 +320,16 @@ class MultiTurnGRPOConfig(GRPOConfig):
         default=512,
         metadata={"help": "Observations longer than this many tokens are truncated with a visible marker."},
     )
+    rollout_max_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Transformers generator: at most this many trajectories decode together; the others wait in a "
+            "queue and join as running ones finish or wait on their environment. The K/V cache of a rollout grows "
+            "with the rows decoding together, so this bounds its memory (a rollout of B*G trajectories otherwise "
+            "decodes them all at once). Sampled tokens do not depend on it (every trajectory samples from its own "
+            "seeded generator). None: no limit. Refused with use_vllm (set vLLM's own limits there)."
+        },
+    )
     env_timeout: float | None = field(
         default=30.0,
         metadata={"help": "Seconds an environment reset/step may take; past it the trajectory ends as failed."},
@@ -574,6 +584,14 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"turn_advantage={self.turn_advantage!r} is not supported; choose one of {list(VALID_TURN_ADVANTAGES)}."
             )
         self._check_turn_layout()
+        if self.rollout_max_batch_size is not None:
+            if self.rollout_max_batch_size < 1:
+                raise ValueError(f"rollout_max_batch_size must be >= 1 or None; got {self.rollout_max_batch_size}.")
+            if self.use_vllm:
+                raise ValueError(
+                    f"rollout_max_batch_size={self.rollout_max_batch_size} limits the Transformers generator only; "
+                    "with use_vllm=True leave it None and bound vLLM's batch through its own settings."
+                )
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1; got {self.max_turns}. Use max_turns=1 for single-turn tasks.")
         if self.max_completion_length is None or self.max_completion_length < 1:

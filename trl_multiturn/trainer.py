@@ -169,7 +169,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             was_training = unwrapped.training
             unwrapped.eval()
             try:
-                generator = TransformersGenerator(unwrapped, self._tokenizer, generator=self._sampling_generator)
+                generator = TransformersGenerator(unwrapped, self._tokenizer, generator=self._sampling_generator,
+                                                 max_batch_size=self.args.rollout_max_batch_size)
                 return self.rollout.run(inputs, generator, self._sampling_params())
             finally:
                 unwrapped.train(was_training)
