@@ -5,7 +5,7 @@
 
 It also draws ``learning_proof_groups.png``: the paired change against the warm start of the runs that take one
 on-policy optimizer step per rollout, by the number of groups with reward variance in that step (``GROUP_RUNS``:
-12 groups x 2 steps, 24 x 1, 32 x 1, 32 x 1 with the redundant-search cost), per seed and subset, each point with
+12 groups x 2 steps, 24 x 1, 32 x 1, 32 x 1 with the redundant-search cost, 64 x 1), per seed and subset, each point with
 its paired bootstrap 95% interval.
 
 Step 0 is the warm start (``eval_warm_start.json``); each ``grpo_seed<S>_eval_step<N>.json`` is seed S's adapter after
@@ -31,6 +31,7 @@ GROUP_RUNS = (
     ("24 groups x 1 step", "bigstep_seed{seed}_eval_step1.json"),
     ("32 groups x 1 step", "step32_seed{seed}_eval_step1.json"),
     ("32 groups x 1 step + search cost", "cost32_seed{seed}_eval_step1.json"),
+    ("64 groups x 1 step", "step64_seed{seed}_eval_step1.json"),
 )
 
 
