@@ -137,7 +137,7 @@ def test_groups_figure_pairs_each_run_with_the_warm_start(tmp_path):
     script.main(["--out", str(tmp_path)])
     assert _png_size(tmp_path / "learning_proof_groups.png")[0] > 800
     runs = script.load_group_runs()
-    labels = [label for label, _ in script.GROUP_RUNS]
+    labels = [label for label, *_ in script.GROUP_RUNS]
     for seed in (0, 1):  # the 12- and 24-group runs of both seeds are committed
         got = [p["label"] for p in runs[seed]]
         assert got[:2] == labels[:2] and got == sorted(got, key=labels.index)

@@ -144,6 +144,47 @@ def test_recipe_rejects_bad_arguments(tmp_path, tiny_model_dir):
         recipe.main(*args)
 
 
+def test_recipe_sampled_evaluation_at_the_training_sampling(tmp_path, tiny_model_dir, monkeypatch):
+    """--eval_num_samples k: every stage's evaluation also samples k trajectories per question with the training
+    run's temperature / top_p / top_k and the fixed eval_sample_seed; every record has sampled_exact_match and the
+    paired comparison against a baseline that has it compares it too. k = 1 is refused before anything runs."""
+    recipe = load_recipe()
+    i = SMALL.index("--num_eval_questions")
+    small = SMALL[:i] + SMALL[i + 2 :]
+    common = ["--model_name_or_path", str(tiny_model_dir), "--heldout", "balanced", "--heldout_size", "4",
+              "--eval_num_samples", "2", "--eval_sample_seed", "3", "--temperature", "0.9", "--top_p", "0.95", *small]
+    calls = []
+    real = recipe.evaluate_search_agent
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "evaluate_search_agent", spy)
+    warm = tmp_path / "warm"
+    recipe.main(*parse(recipe, [*common, "--output_dir", str(warm), "--warm_start", "on", "--grpo", "false",
+                                "--eval_before", "false"]))
+    out = tmp_path / "grpo"
+    results = recipe.main(*parse(recipe, [*common, "--output_dir", str(out), "--init_adapter", str(warm / "sft_adapter"),
+                                          "--eval_before", "false", "--baseline_eval", str(warm / "eval_sft.json")]))
+    assert len(calls) == 2
+    for kw in calls:
+        assert kw["num_samples"] == 2 and kw["seed"] == 3
+        assert (kw["sampling"].temperature, kw["sampling"].top_p, kw["sampling"].greedy) == (0.9, 0.95, False)
+    for path in (warm / "eval_sft.json", out / "eval_grpo.json"):
+        saved = json.loads(path.read_text())
+        assert all(0.0 <= r["sampled_exact_match"] <= 1.0 for r in saved["records"])
+        assert "sampled_exact_match" in saved["summary"]["all"]
+        assert saved["settings"]["num_samples"] == 2 and saved["settings"]["temperature"] == 0.9
+    paired = results["paired_vs_baseline"]
+    assert paired["sampled_exact_match"]["all"]["n"] == paired["exact_match"]["all"]["n"] == 4
+
+    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "bad"),
+                          "--eval_num_samples", "1", *SMALL])
+    with pytest.raises(ValueError, match="--eval_num_samples 1"):
+        recipe.main(*args)
+
+
 def test_recipe_full_fine_tune_saves_the_model(tmp_path, tiny_model_dir):
     """--use_peft false trains the whole model: it is saved (output_dir/model, with its card), never lost."""
     from transformers import AutoModelForCausalLM
