@@ -28,7 +28,7 @@ from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config, get_quantiza
 
 from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 from trl_multiturn.context import context_policy
-from trl_multiturn.generation import SamplingParams
+from trl_multiturn.generation import sampling_params_from_config
 from trl_multiturn.protocols import TagProtocol
 from trl_multiturn.rollout import RolloutConfig
 from trl_multiturn.search import SearchEnvironment
@@ -64,7 +64,7 @@ class SearchAgentArguments:
     baseline_eval: str | None = field(default=None, metadata={"help": "An evaluation JSON of the starting point on the same held-out questions (recipes/evaluate_search_agent.py --output_json): drawn as step 0 of the learning curve and compared with the final evaluation question by question (paired bootstrap 95%% CI in metrics.json)."})
     eval_batch_size: int = field(default=32, metadata={"help": "Trajectories generated together during evaluation."})
     eval_max_tokens_per_turn: int = field(default=96, metadata={"help": "Token cap of one turn during evaluation."})
-    eval_num_samples: int = field(default=0, metadata={"help": "Each evaluation also samples this many trajectories per question at the training sampling (temperature, top_p, top_k) and records their mean exact match (sampled_exact_match; compared with baseline_eval when it has it). 0 = greedy only, else >= 2."})
+    eval_num_samples: int = field(default=0, metadata={"help": "Each evaluation also samples this many trajectories per question at the training sampling (temperature, top_p, top_k, min_p) and records their mean exact match (sampled_exact_match; compared with baseline_eval when it has it). 0 = greedy only, else >= 2."})
     eval_sample_seed: int = field(default=0, metadata={"help": "Seed of the sampled trajectories of eval_num_samples (the same for every stage, as recipes/evaluate_search_agent.py --eval_seed)."})
     eval_before: bool = field(default=True, metadata={"help": "Evaluate the base model before training."})
     warm_start: str = field(default="auto", metadata={"help": "Multi-turn SFT on expert trajectories before GRPO: 'auto' (on below 1B parameters), 'on', 'off'."})
@@ -201,8 +201,7 @@ def evaluate(stage, model, tokenizer, rows, env_factory, args, training_args, re
         batch_size=args.eval_batch_size, accelerator=PartialState(), turn_layout=training_args.turn_layout,
         context_fn=context_policy(training_args, tokenizer),  # the contexts the policy is trained on
         num_samples=args.eval_num_samples, seed=args.eval_sample_seed,
-        sampling=SamplingParams(temperature=training_args.temperature, top_p=training_args.top_p,
-                                top_k=training_args.top_k or 0, min_p=training_args.min_p or 0.0),
+        sampling=sampling_params_from_config(training_args),
     )
     out["settings"] = {"heldout": args.heldout, "heldout_size": len(rows), "heldout_seed": args.heldout_seed,
                        "kb_seed": args.kb_seed, "stage": stage, "num_samples": args.eval_num_samples,

@@ -144,4 +144,8 @@ def test_groups_figure_pairs_each_run_with_the_warm_start(tmp_path):
     # the 24-group seed-1 run: 0.656 against 0.605 on the same 256 questions, 13 more solved
     q = runs[1][1]["paired"]["all"]
     assert q["n"] == 256 and q["diff"] == pytest.approx(13 / 256) and q["ci_low"] <= q["diff"] <= q["ci_high"]
+    # the 64-group runs are paired with the warm start they started from, not the committed one
+    start = json.loads((script.RESULTS / "eval_warm_start_step64_start.json").read_text())
+    assert runs[0][-1]["label"] == "64 groups x 1 step"
+    assert runs[0][-1]["paired"]["all"]["a"] == pytest.approx(start["summary"]["all"]["exact_match"])
     assert "](images/learning_proof_groups.png)" in (DOCS / "search_agent.md").read_text()

@@ -49,7 +49,7 @@ from .checks import (
 )
 from .config import MultiTurnGRPOConfig
 from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_scored_rows, next_refill, refill_rows
-from .generation import SamplingParams, TransformersGenerator, VLLMGenerator
+from .generation import SamplingParams, TransformersGenerator, VLLMGenerator, sampling_params_from_config
 from .loss import grpo_loss, loss_normalizers, sampler_learner_gap
 from .context import context_policy
 from .protocols import Protocol
@@ -145,8 +145,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ rollout
     def _sampling_params(self) -> SamplingParams:
-        a = self.args
-        return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0, min_p=a.min_p or 0.0)
+        return sampling_params_from_config(self.args)
 
     def _run_rollout(self, inputs: list[dict]) -> list[Trajectory]:
         """Roll out one trajectory per input row with the current policy (eval mode, no gradients).

@@ -61,13 +61,13 @@ def load_points(results: Path = RESULTS) -> dict[int, list[dict]]:
 def load_group_runs(results: Path = RESULTS, seeds: tuple[int, ...] = (0, 1)) -> dict[int, list[dict]]:
     """Seed -> ``[{"label", "summary", "paired"}]`` in ``GROUP_RUNS`` order, for the runs whose records exist, each
     paired with the evaluation of the warm start it started from."""
+    starts = {start: json.loads((results / start).read_text()) for _, _, start in GROUP_RUNS}
     runs: dict[int, list[dict]] = {}
     for seed in seeds:
         for label, pattern, start in GROUP_RUNS:
             path = results / pattern.format(seed=seed)
             if path.exists():
-                warm = json.loads((results / start).read_text())
-                runs.setdefault(seed, []).append({"label": label, **_against_warm_start(warm, path)})
+                runs.setdefault(seed, []).append({"label": label, **_against_warm_start(starts[start], path)})
     return runs
 
 

@@ -56,7 +56,7 @@ The package holds one concept per module (each imports only the ones listed befo
 * ``vllm_generator.py``: ``VLLMGenerator`` and the ``Collectives`` it calls across ranks.
 """
 
-from .sampling import GenerationOutput, SamplingParams, _filter_logits  # noqa: F401  (_filter_logits: for tests)
+from .sampling import GenerationOutput, SamplingParams, _filter_logits, sampling_params_from_config  # noqa: F401  (_filter_logits: for tests)
 from .transformers_generator import GenerationSession, TransformersGenerator
 from .vllm_generator import Collectives, VLLMGenerator
 

@@ -23,6 +23,12 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
 
 
+def sampling_params_from_config(args) -> SamplingParams:
+    """The sampling of a TRL ``GRPOConfig`` (``temperature``, ``top_p``, ``top_k``, ``min_p``; ``None`` = off)."""
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0,
+                          min_p=args.min_p or 0.0)
+
+
 @dataclass
 class GenerationOutput:
     """One sampled turn.
