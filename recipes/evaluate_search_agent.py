@@ -15,6 +15,9 @@ sampled exact match at the training temperature (k = 4 samples per question):
     python recipes/evaluate_search_agent.py --adapter outputs/warm_start/adapter --heldout balanced \
         --num_samples 4 --temperature 0.7 --output_json eval_warm.json
     python recipes/compare_evaluations.py eval_warm.json eval_grpo.json   # paired bootstrap 95% CI of the difference
+
+`--heldout validation` draws as many questions, the same way, from those the held-out set leaves out: choose a
+setting there, then evaluate it once with `--heldout balanced`.
 """
 
 from __future__ import annotations
@@ -58,12 +61,13 @@ def main(args: EvalArguments, model_args: ModelConfig) -> dict:
 
     from trl_multiturn.context import context_policy
     from trl_multiturn.generation import SamplingParams
-    from trl_multiturn.search.evaluation import heldout_rows
+    from trl_multiturn.search.evaluation import heldout_rows, validation_rows
 
     corpus, train_rows, test_rows = recipe.load_data(args)  # --heldout balanced: the fixed held-out set
     rows = test_rows
     if args.split == "train":
-        rows = heldout_rows(train_rows, args.heldout_size, args.heldout_seed) if args.heldout == "balanced" else train_rows
+        pick = {"balanced": heldout_rows, "validation": validation_rows}.get(args.heldout)
+        rows = pick(train_rows, args.heldout_size, args.heldout_seed) if pick else train_rows
     retriever = recipe.build_retriever(args, corpus)
     _, model, tokenizer = recipe.load_model(model_args, None)
     if args.adapter:

@@ -57,7 +57,7 @@ class SearchAgentArguments:
     question_hops: str = field(default="all", metadata={"help": "Keep only questions with this many hops, training and held-out: '1', '2' or 'all' (questions without a 'hops' field count as 1)."})
     num_train_questions: int | None = field(default=512, metadata={"help": "Training questions used (None = all)."})
     num_eval_questions: int | None = field(default=32, metadata={"help": "Held-out questions evaluated after each stage (None = all)."})
-    heldout: str = field(default="first", metadata={"help": "Which held-out questions: 'first' (the first num_eval_questions of the split) or 'balanced' (the fixed set: heldout_size questions, half 1-hop and half 2-hop, drawn with heldout_seed; the same for every stage and run, so two of them can be compared question by question)."})
+    heldout: str = field(default="first", metadata={"help": "Which held-out questions: 'first' (the first num_eval_questions of the split) or 'balanced' (the fixed set: heldout_size questions, half 1-hop and half 2-hop, drawn with heldout_seed; the same for every stage and run, so two of them can be compared question by question), or 'validation' (as many questions drawn the same way from those 'balanced' leaves out: choose settings on it, report on 'balanced')."})
     heldout_size: int = field(default=256, metadata={"help": "Questions in the 'balanced' held-out set (even; half of them 1-hop)."})
     heldout_seed: int = field(default=0, metadata={"help": "Seed that draws the 'balanced' held-out set."})
     eval_every_steps: int = field(default=0, metadata={"help": "During GRPO, evaluate on the held-out questions every this many optimizer steps (0 = only after training): output_dir/eval_step<N>.json per point and learning_curve.png."})
@@ -135,14 +135,14 @@ def load_data(args: SearchAgentArguments):
         train = [r for r in train if int(r.get("hops", 1)) == keep]
         test = [r for r in test if int(r.get("hops", 1)) == keep]
     train = train[: args.num_train_questions] if args.num_train_questions else train
-    if args.heldout == "balanced":
-        from trl_multiturn.search.evaluation import heldout_rows
+    if args.heldout in ("balanced", "validation"):
+        from trl_multiturn.search.evaluation import heldout_rows, validation_rows
 
         if args.question_hops != "all":
-            raise ValueError(f"--heldout balanced draws 1- and 2-hop questions; drop --question_hops {args.question_hops}.")
-        test = heldout_rows(test, args.heldout_size, args.heldout_seed)
+            raise ValueError(f"--heldout {args.heldout} draws 1- and 2-hop questions; drop --question_hops {args.question_hops}.")
+        test = (heldout_rows if args.heldout == "balanced" else validation_rows)(test, args.heldout_size, args.heldout_seed)
     elif args.heldout != "first":
-        raise ValueError(f"--heldout {args.heldout!r} must be 'first' or 'balanced'.")
+        raise ValueError(f"--heldout {args.heldout!r} must be 'first', 'balanced' or 'validation'.")
     else:
         test = test[: args.num_eval_questions] if args.num_eval_questions else test
     return corpus, train, test

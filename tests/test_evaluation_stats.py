@@ -18,6 +18,7 @@ from trl_multiturn.search.evaluation import (
     heldout_rows,
     summarize,
     unpaired_bootstrap_ci,
+    validation_rows,
 )
 
 
@@ -111,6 +112,20 @@ def test_heldout_set_is_balanced_fixed_and_order_free():
         heldout_rows(data.test_rows, 460)
     with pytest.raises(ValueError, match="heldout_size=7"):
         heldout_rows(data.test_rows, 7)
+
+
+def test_validation_set_is_disjoint_from_the_heldout_set_balanced_and_fixed():
+    data = build_offline_dataset(num_entities=600)  # the learning proof's knowledge base: 307 / 270 test questions
+    held = {r["id"] for r in heldout_rows(data.test_rows, 256)}
+    val = validation_rows(data.test_rows, 256)
+    assert len(val) == 256 and sum(r["hops"] == 1 for r in val) == 128
+    assert not held & {r["id"] for r in val}
+    shuffled = list(data.test_rows)
+    random.Random(3).shuffle(shuffled)
+    assert [r["id"] for r in validation_rows(shuffled, 256)] == [r["id"] for r in val]
+    # 270 two-hop questions: a 300-question held-out set takes 150 and leaves 120, fewer than the 150 needed
+    with pytest.raises(ValueError, match="leaves out: the held-out split has 120 questions with 2 hop"):
+        validation_rows(data.test_rows, 300)
 
 
 class AnswerEnv:

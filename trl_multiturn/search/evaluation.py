@@ -8,7 +8,7 @@ invalid-action rate and the answer rate, overall and per number of hops. With ``
 trajectories per question at the training temperature and reports their mean exact match (``sampled_exact_match``),
 the quantity GRPO's reward actually optimizes.
 
-:func:`heldout_rows` picks the fixed held-out set (half 1-hop, half 2-hop, the same for every stage) and
+:func:`heldout_rows` picks the fixed held-out set (:func:`validation_rows` a disjoint one to choose settings on) (half 1-hop, half 2-hop, the same for every stage) and
 :func:`compare_evaluations` gives the difference between two stages' per-question records with a paired bootstrap
 confidence interval, overall and per hop count: the same questions in both stages, so the question-to-question
 spread (most of the variance of an EM) cancels out of the difference.
@@ -103,6 +103,22 @@ def heldout_rows(rows: Sequence[dict], size: int = 256, seed: int = 0) -> list[d
             )
         chosen += random.Random(seed * 1_000 + hops).sample(pool, size // 2)
     return [r for _, r in sorted(chosen, key=lambda kr: kr[0])]
+
+
+def validation_rows(rows: Sequence[dict], size: int = 256, seed: int = 0) -> list[dict]:
+    """The validation set: ``size`` questions (half 1-hop, half 2-hop) drawn by :func:`heldout_rows` with seed
+    ``seed + 1`` from the rows that the held-out set ``heldout_rows(rows, size, seed)`` leaves out.
+
+    Settings (a learning rate, an optimizer, a reward weight) are chosen on this set and reported once on the
+    held-out set, which no choice has seen. On a generated knowledge base both come from the test world: new
+    questions, possibly about entities that held-out questions also ask about.
+    """
+    held = {id(r) for r in heldout_rows(rows, size, seed)}
+    rest = [r for r in rows if id(r) not in held]
+    try:
+        return heldout_rows(rest, size, seed + 1)
+    except ValueError as err:
+        raise ValueError(f"the validation set is drawn from the questions the held-out set leaves out: {err}") from None
 
 
 def bootstrap_mean_ci(values: Sequence[float], resamples: int = 10_000, seed: int = 0,
