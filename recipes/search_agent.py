@@ -76,6 +76,7 @@ class SearchAgentArguments:
     sft_gradient_checkpointing: bool = field(default=False, metadata={"help": "Gradient checkpointing during the warm start (less memory, about a quarter more compute)."})
     init_adapter: str | None = field(default=None, metadata={"help": "Start from this PEFT adapter (local path or Hub id), trained further by GRPO; replaces the warm start (e.g. a previous run's output_dir/sft_adapter)."})
     grpo: bool = field(default=True, metadata={"help": "Run the GRPO stage."})
+    max_grpo_minutes: float = field(default=0.0, metadata={"help": "Time budget of the GRPO stage in minutes (0 = none): training stops after the first optimizer step that ends past it (in-run evaluations count), then the final evaluation and the save run as usual. For machines lent for a fixed time; the step it stopped at is in metrics.json (grpo.step, grpo.stopped_by_time_budget)."})
     merge_adapter: bool = field(default=False, metadata={"help": "Also save the adapter merged into the base weights (output_dir/merged)."})
 
 
@@ -258,6 +259,31 @@ def plot_curves(log_history: list[dict], results: dict, path: Path) -> Path | No
     return path
 
 
+class TimeBudget:
+    """Stops training after the first optimizer step that ends more than ``minutes`` after training began (a
+    ``TrainerCallback``; 0 = no budget). The step is still a whole optimizer step: nothing is cut mid-step."""
+
+    def __init__(self, minutes: float):
+        from transformers import TrainerCallback
+
+        if minutes < 0:
+            raise ValueError(f"--max_grpo_minutes {minutes}: use 0 (no time budget) or a positive number of minutes.")
+        self.minutes, self.start, self.stopped = minutes, None, False
+        budget = self
+
+        class _Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                budget.start = time.perf_counter()
+                return control
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if budget.minutes and (time.perf_counter() - budget.start) / 60 > budget.minutes:
+                    budget.stopped = control.should_training_stop = True
+                return control
+
+        self.callback = _Callback()
+
+
 class HeldoutCurve:
     """Held-out evaluations during GRPO: every ``every`` optimizer steps (a ``TrainerCallback``), one
     ``eval_step<N>.json`` per point in ``out_dir`` (the final evaluation is written there too). Points already on
@@ -271,8 +297,8 @@ class HeldoutCurve:
 
         class _Callback(TrainerCallback):
             def on_step_end(self, args, state, control, model=None, **kwargs):
-                step = state.global_step
-                if curve.every and step % curve.every == 0 and step < state.max_steps:
+                step = state.global_step  # a step that ends training is evaluated by the final evaluation
+                if curve.every and step % curve.every == 0 and step < state.max_steps and not control.should_training_stop:
                     if not (curve.out_dir / f"eval_step{step}.json").exists():
                         curve.evaluate_fn(f"step{step}", model)
                 return control
@@ -352,6 +378,9 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
     if script_args.eval_num_samples == 1 or script_args.eval_num_samples < 0:
         raise ValueError(f"--eval_num_samples {script_args.eval_num_samples}: use 0 (greedy evaluation only) or k >= 2 "
                          "sampled trajectories per question.")
+    if script_args.max_grpo_minutes < 0:
+        raise ValueError(f"--max_grpo_minutes {script_args.max_grpo_minutes}: use 0 (no time budget) or a positive "
+                         "number of minutes.")
     results: dict = {}
     t0 = time.perf_counter()
     corpus, train_rows, test_rows = load_data(script_args)
@@ -433,6 +462,8 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
             lambda stage, m: evaluate(stage, m, tokenizer, test_rows, env_factory, script_args, training_args, {}, protocol),
             out_dir,
         )
+        budget = TimeBudget(script_args.max_grpo_minutes)
+        trainer.add_callback(budget.callback)  # before the curve's: a step that ends the run is not evaluated twice
         trainer.add_callback(curve.callback)
         print(f"[grpo] {training_args.batch_plan.describe() if training_args.batch_plan else ''}", flush=True)
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -440,6 +471,7 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
         final = evaluate("grpo", model, tokenizer, test_rows, env_factory, script_args, training_args, results, protocol)
         results["grpo"]["stage_seconds"] = time.perf_counter() - start
         results["grpo"]["step"] = trainer.state.global_step
+        results["grpo"]["stopped_by_time_budget"] = budget.stopped
         baseline = json.loads(Path(script_args.baseline_eval).read_text()) if script_args.baseline_eval else None
         if state.is_main_process:  # the final point of the curve, kept when a resumed run goes further
             (out_dir / f"eval_step{trainer.state.global_step}.json").write_text(json.dumps(final, indent=1, default=str))

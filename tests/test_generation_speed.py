@@ -296,6 +296,38 @@ def test_kv_reuse_through_a_peft_adapter(smollm2_tokenizer, tiny):
     assert all(o.cached_tokens > 0 for o in b)
 
 
+def test_kv_reuse_does_not_depend_on_the_name_of_the_cache_argument(smollm2_tokenizer, tiny, monkeypatch):
+    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``; K/V reuse works under both (the
+    generator tests pass under 5.17 and 5.25), so an earlier 5.x must not silently fall back to full prefills."""
+    from trl_multiturn.generation import kv_buffer, transformers_generator
+
+    for name in ("cache", "past_key_values"):
+        monkeypatch.setattr(kv_buffer, "_CACHE_KWARG", name)
+        monkeypatch.setattr(transformers_generator, "_CACHE_KWARG", name)
+        assert kv_buffer._kv_reuse_blocker(tiny) is None
+        assert TransformersGenerator(tiny, smollm2_tokenizer).kv_reuse
+
+
+def test_a_model_that_cannot_keep_kv_warns_and_takes_the_reference_path(smollm2_tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = smollm2_tokenizer
+    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    with pytest.warns(UserWarning, match=r"K/V reuse across turns is off: the model uses sliding-window attention \(sliding_window=16\)"):
+        gen = TransformersGenerator(model, tok)
+    assert not gen.kv_reuse
+    reference = TransformersGenerator(model, tok, kv_reuse=False)  # asked for: no warning
+    contexts = [ids(tok, "Question one"), ids(tok, "A second, longer question")]
+    a = gen.generate(contexts, 6, SamplingParams(greedy=True), sessions=[gen.new_session() for _ in contexts])
+    b = reference.generate(contexts, 6, SamplingParams(greedy=True))
+    assert [o.ids for o in a] == [o.ids for o in b] and all(len(o.ids) == 6 for o in a)
+    assert all(o.logprobs == pytest.approx(p.logprobs, abs=1e-6) for o, p in zip(a, b))
+
+
 def test_reference_path_for_models_without_a_transformers_cache(smollm2_tokenizer):
     tok = smollm2_tokenizer
     lm = ScriptedLM([ids(tok, "short")], len(tok), tok.eos_token_id)

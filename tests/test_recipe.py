@@ -316,3 +316,22 @@ def test_recipe_heldout_curve_paired_comparison_and_resume(tmp_path, tiny_model_
     assert resumed["grpo"]["step"] == 3
     assert {n: (out / f"eval_step{n}.json").stat().st_mtime_ns for n in (1, 2)} == kept  # not redone
     assert [p["step"] for p in resumed["curve"]] == [0, 1, 2, 3]
+
+
+def test_recipe_time_budget_stops_grpo_after_a_whole_step(tmp_path, tiny_model_dir):
+    """--max_grpo_minutes: training stops after the first optimizer step that ends past the budget (here any step
+    does), then the final evaluation and the save run as usual; that step is evaluated once, by the final evaluation."""
+    recipe = load_recipe()
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--warm_start", "off",
+            "--eval_before", "false", "--use_peft", "true", *SMALL]
+    argv[argv.index("--max_steps") + 1] = "3"
+    results = recipe.main(*parse(recipe, [*argv, "--max_grpo_minutes", "1e-9", "--eval_every_steps", "1"]))
+    assert results["grpo"]["step"] == 1 and results["grpo"]["stopped_by_time_budget"] is True
+    assert sorted(p.name for p in out.glob("eval_step*.json")) == ["eval_step1.json"]
+    assert (out / "adapter" / "adapter_config.json").exists()
+
+    unbounded = recipe.main(*parse(recipe, [*argv, "--output_dir", str(tmp_path / "free"), "--max_steps", "2"]))
+    assert unbounded["grpo"]["step"] == 2 and unbounded["grpo"]["stopped_by_time_budget"] is False
+    with pytest.raises(ValueError, match="--max_grpo_minutes -1"):
+        recipe.main(*parse(recipe, [*argv, "--max_grpo_minutes", "-1"]))

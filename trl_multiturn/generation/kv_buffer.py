@@ -4,7 +4,7 @@ transformers' cache internals (``Cache``, ``DynamicLayer``).
 Per layer one buffer (slots, H_kv, capacity, D) with every row left-padded so that all rows end at the same column;
 a decode step writes one column in place. :class:`_RunningKV` keeps a running batch's buffers in place while rows
 join (into free slots) and leave (the last row fills the slot), rebuilding them only when a joiner does not fit.
-Also here: which models can use it (``_supports_kv_reuse``) and the name of the forward's cache argument.
+Also here: which models can use it (``_kv_reuse_blocker``) and the name of the forward's cache argument.
 """
 
 from __future__ import annotations
@@ -29,22 +29,24 @@ def _cache_of(output):
     return getattr(output, "cache", None) if _CACHE_KWARG == "cache" else output.past_key_values
 
 
-def _supports_kv_reuse(model) -> bool:
-    """True for transformers models whose decoder layers are all full attention (their K/V can be split by row)."""
+def _kv_reuse_blocker(model) -> str | None:
+    """Why ``model``'s K/V cannot be kept per row across turns, or None when it can: a transformers decoder whose
+    layers are all full attention. The forward's cache argument may be called ``cache`` (transformers >= 5.24) or
+    ``past_key_values`` (earlier 5.x): both work (the generator tests pass under 5.17 and 5.25)."""
     from transformers import PreTrainedModel
 
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    if not isinstance(base, PreTrainedModel) or _CACHE_KWARG != "cache":
-        return False
+    if not isinstance(base, PreTrainedModel):
+        return f"{type(base).__name__} is not a transformers PreTrainedModel"
     config = base.config.get_text_config(decoder=True)
     if getattr(config, "is_encoder_decoder", False):
-        return False
+        return "the model is an encoder-decoder"
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        return False
+        return f"not every layer is full attention (layer_types: {sorted(set(layer_types))})"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return False
-    return True
+        return f"the model uses sliding-window attention (sliding_window={config.sliding_window})"
+    return None
 
 
 class _BufferLayer(DynamicLayer):

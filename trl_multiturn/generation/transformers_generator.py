@@ -9,12 +9,13 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from .kv_buffer import _CACHE_KWARG, _BufferLayer, _cache_of, _left_room, _make_cache, _RunningKV, _supports_kv_reuse
+from .kv_buffer import _CACHE_KWARG, _BufferLayer, _cache_of, _kv_reuse_blocker, _left_room, _make_cache, _RunningKV
 from .sampling import GenerationOutput, SamplingParams, _eos_ids, _filter_logits, _StopChecker
 
 
@@ -139,7 +140,11 @@ class TransformersGenerator:
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_token_ids), 0)
         )
-        self.kv_reuse = bool(kv_reuse) and _supports_kv_reuse(model)
+        blocker = _kv_reuse_blocker(model) if kv_reuse else None
+        self.kv_reuse = bool(kv_reuse) and blocker is None
+        if blocker is not None and not blocker.endswith("PreTrainedModel"):  # scripted test models: no K/V to keep
+            warnings.warn(f"K/V reuse across turns is off: {blocker}. Every turn prefills its whole context and the "
+                          "rows of a call decode as one batch (the reference path): slower, same samples.", stacklevel=2)
         self.max_batch_size = max_batch_size
         self.logits_processor = logits_processor
         self._seq = itertools.count()
@@ -629,12 +634,13 @@ class TransformersGenerator:
                 probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p, params.min_p), dim=-1)  # (A, V)
                 next_ids = torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(-1).to(device)  # (A,)
             chosen_logp = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)  # (A,)
+            step_ids, step_logps = next_ids.tolist(), chosen_logp.tolist()  # one device sync per step, not per row
             for row, i in enumerate(active):
                 if not running[row]:
                     continue
                 o = outputs[i]
-                o.ids.append(int(next_ids[row]))
-                o.logprobs.append(float(chosen_logp[row]))
+                o.ids.append(step_ids[row])
+                o.logprobs.append(step_logps[row])
                 self.stats["generated_tokens"] += 1
                 reason = stop(o.ids, max_new_tokens[i])
                 if reason is not None:

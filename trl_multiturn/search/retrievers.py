@@ -20,6 +20,8 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
+import sys
 import threading
 import time
 import urllib.error
@@ -122,6 +124,11 @@ class BM25Retriever(_InProcessRetriever):
         stopwords: str | list[str] | None = "en",
         stemmer: Any = None,
     ) -> None:
+        if "jax" not in sys.modules:
+            # bm25s imports JAX when it is installed and runs a top-k with it at import; JAX's first use on a GPU
+            # takes 75% of its memory (seen: 105 of 140 GiB on an H200, and the policy's process ran out). Retrieval
+            # itself runs on numpy (below), so JAX only needs a small allocation. A value you set is kept.
+            os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         import bm25s
         from bm25s.tokenization import Tokenizer
 
@@ -149,7 +156,8 @@ class BM25Retriever(_InProcessRetriever):
     def _search(self, queries: list[str], k: int) -> tuple[list[list[int]], list[list[float]]]:
         # under the lock: the tokenizer's vocabulary lookups and bm25s' buffers are not documented thread-safe
         query_ids = self._tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
-        indices, scores = self._bm25.retrieve(query_ids, k=k, show_progress=False)
+        # numpy top-k whether or not JAX is installed: the same documents (and tie order) on every machine
+        indices, scores = self._bm25.retrieve(query_ids, k=k, show_progress=False, backend_selection="numpy")
         return indices.tolist(), scores.tolist()
 
 
