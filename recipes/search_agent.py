@@ -202,7 +202,7 @@ def evaluate(stage, model, tokenizer, rows, env_factory, args, training_args, re
         batch_size=args.eval_batch_size, accelerator=PartialState(), turn_layout=training_args.turn_layout,
         context_fn=context_policy(training_args, tokenizer),  # the contexts the policy is trained on
         num_samples=args.eval_num_samples, seed=args.eval_sample_seed,
-        sampling=sampling_params_from_config(training_args),
+        sampling=sampling_params_from_config(training_args), merge_adapter=training_args.rollout_merge_adapter,
     )
     out["settings"] = {"heldout": args.heldout, "heldout_size": len(rows), "heldout_seed": args.heldout_seed,
                        "kb_seed": args.kb_seed, "stage": stage, "num_samples": args.eval_num_samples,

@@ -845,3 +845,45 @@ def test_rollout_max_batch_size_is_checked(tmp_path):
         make_args(tmp_path, rollout_max_batch_size=0)
     with pytest.raises(ValueError, match="rollout_max_batch_size=4 limits the Transformers generator only"):
         make_args(tmp_path, rollout_max_batch_size=4, use_vllm=True)
+
+
+def test_rollout_merge_adapter_samples_the_same_policy_and_leaves_the_base_alone(tmp_path, smollm2_tokenizer,
+                                                                                  tiny_model_factory):
+    """rollout_merge_adapter: the rollout runs with the LoRA adapter folded into the weights (its branch off), samples
+    the trajectories the unmerged adapter samples, and training sees the original base weights, bit for bit."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+
+    def run(merge):
+        trainer = MultiTurnGRPOTrainer(
+            model=tiny_model_factory(), args=make_args(tmp_path, max_steps=1, rollout_merge_adapter=merge),
+            train_dataset=dataset(), environment_factory=FeedbackEnv, reward_funcs=[vowel_reward],
+            processing_class=smollm2_tokenizer,
+            peft_config=LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        )
+        base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "base_layer" in n}
+        folded, run_rollout = [], trainer.rollout.run
+
+        def spy(inputs, generator, params):  # during the rollout: is the adapter branch off (folded in)?
+            folded.append(all(m.disable_adapters for m in trainer.model.modules() if isinstance(m, LoraLayer)))
+            return run_rollout(inputs, generator, params)
+
+        trainer.rollout.run = spy
+        rec = Recorder(trainer)
+        trainer.train()
+        after = dict(trainer.model.named_parameters())
+        assert all(torch.equal(v, after[n]) for n, v in base.items())
+        assert not any(m.disable_adapters for m in trainer.model.modules() if isinstance(m, LoraLayer))
+        gap = logged(trainer, "rollout/sampler_logp_diff")[0]
+        return folded, [t.completion_ids for t in rec.rollouts[0]], gap
+
+    folded, merged_ids, merged_gap = run(True)
+    unfolded, plain_ids, plain_gap = run(False)
+    assert folded == [True] and unfolded == [False]
+    assert merged_ids == plain_ids
+    assert plain_gap < 1e-5 and merged_gap < 1e-4
+
+
+def test_rollout_merge_adapter_is_refused_where_it_cannot_apply(tmp_path):
+    with pytest.raises(ValueError, match=r"rollout_merge_adapter=True .* use_vllm=True"):
+        make_args(tmp_path, rollout_merge_adapter=True, use_vllm=True)

@@ -330,6 +330,17 @@ class MultiTurnGRPOConfig(GRPOConfig):
             "seeded generator). None: no limit. Refused with use_vllm (set vLLM's own limits there)."
         },
     )
+    rollout_merge_adapter: bool = field(
+        default=False,
+        metadata={
+            "help": "Transformers generator: sample with the LoRA adapter folded into a copy of each adapted weight "
+            "(W + dW, one matmul per layer instead of three), the original weights put back after each rollout, bit "
+            "for bit. Faster decoding; costs one more copy of the adapted weights during the rollout; the sampler's "
+            "log-probs move by float rounding (the learner recomputes its own). Skipped (the adapter runs as is) for "
+            "quantized bases, DoRA and non-LoRA models. Refused with use_vllm (vLLM gets merged weights already) and "
+            "FSDP (sharded weights)."
+        },
+    )
     env_timeout: float | None = field(
         default=30.0,
         metadata={"help": "Seconds an environment reset/step may take; past it the trajectory ends as failed."},
@@ -592,6 +603,12 @@ class MultiTurnGRPOConfig(GRPOConfig):
                     f"rollout_max_batch_size={self.rollout_max_batch_size} limits the Transformers generator only; "
                     "with use_vllm=True leave it None and bound vLLM's batch through its own settings."
                 )
+        if self.rollout_merge_adapter and (self.use_vllm or self.fsdp):
+            raise ValueError(
+                f"rollout_merge_adapter=True folds LoRA into the Transformers generator's weights; with "
+                f"{'use_vllm=True (vLLM already samples with merged weights)' if self.use_vllm else 'FSDP (its weights are sharded)'} "
+                "leave it False."
+            )
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1; got {self.max_turns}. Use max_turns=1 for single-turn tasks.")
         if self.max_completion_length is None or self.max_completion_length < 1:

@@ -49,7 +49,7 @@ from .checks import (
 )
 from .config import MultiTurnGRPOConfig
 from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_scored_rows, next_refill, refill_rows
-from .generation import SamplingParams, TransformersGenerator, VLLMGenerator, sampling_params_from_config
+from .generation import SamplingParams, TransformersGenerator, VLLMGenerator, merged_lora, sampling_params_from_config
 from .loss import grpo_loss, loss_normalizers, sampler_learner_gap
 from .context import context_policy
 from .protocols import Protocol
@@ -164,7 +164,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
             gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-        ) as unwrapped:
+        ) as unwrapped, merged_lora(unwrapped, self.args.rollout_merge_adapter):  # adapter folded in when asked
             was_training = unwrapped.training
             unwrapped.eval()
             try:

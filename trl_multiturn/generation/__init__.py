@@ -53,12 +53,14 @@ The package holds one concept per module (each imports only the ones listed befo
   check, shared by both backends;
 * ``kv_buffer.py``: the K/V buffers of a running batch, built on transformers' cache internals;
 * ``transformers_generator.py``: ``GenerationSession`` and ``TransformersGenerator`` (running batch, reference path);
-* ``vllm_generator.py``: ``VLLMGenerator`` and the ``Collectives`` it calls across ranks.
+* ``vllm_generator.py``: ``VLLMGenerator`` and the ``Collectives`` it calls across ranks;
+* ``merged_lora.py``: ``merged_lora``, sampling with a LoRA adapter folded into the weights and put back after.
 """
 
 from .sampling import GenerationOutput, SamplingParams, _filter_logits, sampling_params_from_config  # noqa: F401  (_filter_logits: for tests)
 from .transformers_generator import GenerationSession, TransformersGenerator
 from .vllm_generator import Collectives, VLLMGenerator
+from .merged_lora import can_merge_lora, merged_lora
 
 __all__ = [
     "Collectives",
@@ -67,4 +69,6 @@ __all__ = [
     "SamplingParams",
     "TransformersGenerator",
     "VLLMGenerator",
+    "can_merge_lora",
+    "merged_lora",
 ]

@@ -19,6 +19,7 @@ gathered, so the numbers are those of the full set on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections import defaultdict
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from ..generation import SamplingParams, TransformersGenerator
+from ..generation.merged_lora import merged_lora
 from ..protocols import TagProtocol
 from ..rollout import MultiTurnRollout, RolloutConfig
 from .rewards import exact_match, f1, substring_match
@@ -207,6 +209,7 @@ def evaluate_search_agent(
     seed: int = 0,
     turn_layout: str = "sequence",
     context_fn: Callable[[list[dict]], list[dict]] | None = None,
+    merge_adapter: bool = False,
 ) -> dict[str, Any]:
     """Greedy multi-turn evaluation on ``rows`` (dicts with ``question``, ``golden_answers`` and optional ``hops``).
 
@@ -216,6 +219,9 @@ def evaluate_search_agent(
     With ``num_samples=k >= 2``, each question is also rolled out k times with ``sampling`` (the training
     temperature / top-p / top-k; default ``SamplingParams()``, temperature 1) from a ``torch.Generator`` seeded with
     ``seed`` (plus the rank), and its record gets ``sampled_exact_match``, the mean exact match of the k samples.
+
+    ``merge_adapter``: generate with a LoRA adapter folded into the weights (``generation.merged_lora``; faster, the
+    same policy up to float rounding, the weights restored afterwards), as ``rollout_merge_adapter`` in training.
 
     Returns ``{"summary": summarize(records), "records": [...], "seconds": wall time}``.
     """
@@ -245,7 +251,9 @@ def evaluate_search_agent(
     generator = TransformersGenerator(model, tokenizer)
     start = time.perf_counter()
     records = []
+    merged = contextlib.ExitStack()
     try:
+        merged.enter_context(merged_lora(model, merge_adapter))
         for i in range(0, len(shard), batch_size):
             batch = shard[i : i + batch_size]
             trajs = rollout.run(batch, generator, SamplingParams(greedy=True))
@@ -272,6 +280,7 @@ def evaluate_search_agent(
                     print(f"  sampled eval {done}/{len(shard)} questions x {num_samples}, exact match so far "
                           f"{em:.3f}", flush=True)
     finally:
+        merged.close()
         rollout.close()
         if was_training:
             model.train()
