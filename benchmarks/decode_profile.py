@@ -25,7 +25,6 @@ part of the forward is prefill (observations must be prefilled: no generator can
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ W.offline_env()
 
 import torch  # noqa: E402
 
-from rollout import _versions, run_ours  # noqa: E402
+from rollout import run_ours  # noqa: E402
 
 PARTS = ("forward_prefill", "forward_decode", "sampling", "kv_bookkeeping", "rest_of_step", "outside_generator")
 
@@ -132,14 +131,7 @@ def main(argv=None) -> dict:
         ("prefill tokens", "{:.0f}", [r["prefill_tokens"] for r in results]),
         ("decode positions", "{:.0f}", [r["decode_positions"] for r in results]),
     ], label_width=34, widths=12)
-    result = {
-        "benchmark": "decode_profile",
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "device": args.device},
-        "settings": vars(args),
-        "command": "python benchmarks/decode_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "versions": _versions(),
-        "batches": results,
-    }
+    result = W.result_record("decode_profile", args, argv, batches=results)
     W.write_result(result, args.out)
     return result
 

@@ -15,7 +15,6 @@ rollouts sampled the same tokens (they should, up to float rounding of the proba
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ W.offline_env()
 
 import torch  # noqa: E402
 
-from rollout import _versions, run_ours  # noqa: E402
+from rollout import run_ours  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", default="smollm2", help="smollm2, random-<tiny|135m|360m|1.7b|3b>, or a model dir")
@@ -121,14 +120,7 @@ def main(argv=None) -> dict:
         ("ms/decode step, unmerged", "{:.1f}", [r["ms_per_decode_step_forward"]["unmerged"] for r in results]),
         ("ms/decode step, merged", "{:.1f}", [r["ms_per_decode_step_forward"]["merged"] for r in results]),
     ], label_width=30, widths=10)
-    result = {
-        "benchmark": "merged_lora",
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "device": args.device},
-        "settings": vars(args),
-        "command": "python benchmarks/merged_lora.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "versions": _versions(),
-        "batches": results,
-    }
+    result = W.result_record("merged_lora", args, argv, batches=results)
     W.write_result(result, args.out)
     return result
 

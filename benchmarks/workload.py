@@ -46,6 +46,25 @@ FILLER = (
 ).split()
 
 
+def result_record(benchmark: str, args, argv, **fields) -> dict:
+    """The head of a benchmark's JSON: its name, the machine (platform, torch threads, device), the settings, the
+    exact command and the library versions; then ``fields``."""
+    import platform
+    import sys
+
+    import transformers
+    import trl
+
+    return {
+        "benchmark": benchmark,
+        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "device": args.device},
+        "settings": vars(args),
+        "command": f"python benchmarks/{benchmark}.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
+        **fields,
+    }
+
+
 def write_result(result: dict, out: str) -> Path:
     """Write a benchmark's result as JSON to ``out`` (folders created) and say where."""
     path = Path(out)
