@@ -142,7 +142,7 @@ class TransformersGenerator:
         )
         blocker = _kv_reuse_blocker(model) if kv_reuse else None
         self.kv_reuse = bool(kv_reuse) and blocker is None
-        if blocker is not None and not blocker.endswith("PreTrainedModel"):  # scripted test models: no K/V to keep
+        if blocker is not None:
             warnings.warn(f"K/V reuse across turns is off: {blocker}. Every turn prefills its whole context and the "
                           "rows of a call decode as one batch (the reference path): slower, same samples.", stacklevel=2)
         self.max_batch_size = max_batch_size
