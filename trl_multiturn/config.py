@@ -335,7 +335,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
         metadata={
             "help": "Transformers generator: sample with the LoRA adapter folded into a copy of each adapted weight "
             "(W + dW, one matmul per layer instead of three), the original weights put back after each rollout, bit "
-            "for bit. Faster decoding; costs one more copy of the adapted weights during the rollout; the sampler's "
+            "for bit. Meant for GPUs, where an unmerged adapter multiplies a decode step's kernel launches (measured on 2 CPU "
+            "cores: no gain). Costs one more copy of the adapted weights during the rollout; the sampler's "
             "log-probs move by float rounding (the learner recomputes its own). Skipped (the adapter runs as is) for "
             "quantized bases, DoRA and non-LoRA models. Refused with use_vllm (vLLM gets merged weights already) and "
             "FSDP (sharded weights)."

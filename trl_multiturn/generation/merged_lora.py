@@ -1,7 +1,9 @@
 """Sampling with LoRA folded into the weights: one matmul per adapted linear layer instead of three.
 
-An unmerged LoRA layer computes ``W x + s * B (A x)``: at decode time, where a step is one token per row, the two
-extra matmuls, the scaling and the add cost about as much as the base matmul's dispatch, on CPU and on GPU alike.
+An unmerged LoRA layer computes ``W x + s * B (A x)``: three matmuls, a scaling and an add where the base layer
+launches one matmul. On a GPU, where a decode step of a small model is bound by kernel launches, that is most of an
+adapted layer's cost (not measured yet); on 2 CPU cores, where the decode step reads the weights whole, it is not:
+3% of a decode step, no gain on a rollout (docs/benchmarks.md), so it is off by default.
 :func:`merged_lora` folds the adapter in for the duration of a ``with`` block, the way the rollout and the
 evaluation use the policy (eval mode, no gradients):
 
