@@ -266,9 +266,7 @@ class TimeBudget:
     def __init__(self, minutes: float):
         from transformers import TrainerCallback
 
-        if minutes < 0:
-            raise ValueError(f"--max_grpo_minutes {minutes}: use 0 (no time budget) or a positive number of minutes.")
-        self.minutes, self.start, self.stopped = minutes, None, False
+        self.minutes, self.start, self.stopped = minutes, None, False  # minutes >= 0: checked by main()
         budget = self
 
         class _Callback(TrainerCallback):

@@ -3,7 +3,7 @@
 An unmerged LoRA layer computes ``W x + s * B (A x)``: three matmuls, a scaling and an add where the base layer
 launches one matmul. On a GPU, where a decode step of a small model is bound by kernel launches, that is most of an
 adapted layer's cost (not measured yet); on 2 CPU cores, where the decode step reads the weights whole, it is not:
-3% of a decode step, no gain on a rollout (docs/benchmarks.md), so it is off by default.
+4% of a decode step, no gain on a rollout (docs/benchmarks.md), so it is off by default.
 :func:`merged_lora` folds the adapter in for the duration of a ``with`` block, the way the rollout and the
 evaluation use the policy (eval mode, no gradients):
 
