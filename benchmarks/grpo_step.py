@@ -240,6 +240,7 @@ def build_ours(model, tok, dataset, env_class, args, out_dir):
         **shared_config(args, out_dir), prompts_per_rollout=args.prompts,
         mini_batch_size=args.prompts * args.group_size, micro_batch_size=args.micro_batch, max_turns=args.turns,
         max_tokens_per_turn=None, max_observation_tokens=None, env_timeout=None, advantage_eps=1e-4,
+        activation_checkpointing_policy=args.checkpoint_policy,
     )
     trainer = MultiTurnGRPOTrainer(model=model, reward_funcs=[position_reward], args=config, processing_class=tok,
                                    train_dataset=dataset, environment_factory=env_class,
@@ -425,6 +426,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank on every linear layer; 0: full fine-tuning")
     parser.add_argument("--lora-alpha", type=int, default=32)
     parser.add_argument("--no-gradient-checkpointing", action="store_true", help="both sides without it")
+    parser.add_argument("--checkpoint-policy", default="full", choices=["full", "save_matmuls"],
+                        help="ours: activation_checkpointing_policy (TRL's side always checkpoints in full)")
     parser.add_argument("--share-past-prompts", action="store_true",
                         help="let ours's prefix tree also share what a group's members write alike past the prompt; "
                         "the forced members write identical text, real samples do not (default: the prompt only)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .activation_checkpointing import check_policy
 from .batching import BatchPlan
 
 
@@ -340,6 +341,17 @@ class MultiTurnGRPOConfig(GRPOConfig):
             "log-probs move by float rounding (the learner recomputes its own). Skipped (the adapter runs as is) for "
             "quantized bases, DoRA and non-LoRA models. Refused with use_vllm (vLLM gets merged weights already) and "
             "FSDP (sharded weights)."
+        },
+    )
+    activation_checkpointing_policy: str = field(
+        default="full",
+        metadata={
+            "help": "What gradient checkpointing keeps for the backward pass. 'full' (transformers' behaviour): each "
+            "decoder layer's input, the layer's whole forward recomputed in the backward. 'save_matmuls': the outputs of "
+            "the layer's full-rank matrix multiplications and fused attention are kept and only the cheap ops (norms, "
+            "activations, rotary embeddings, adapter products) are recomputed: the same gradients, most of the "
+            "recompute saved, more memory per token than 'full' and less than no checkpointing (docs/benchmarks.md). "
+            "Needs gradient_checkpointing=True and non-reentrant checkpointing."
         },
     )
     env_timeout: float | None = field(
@@ -668,6 +680,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 "leaves every process on its own."
             )
         check_trl_fields(self)
+        check_policy(self)  # after TrainingArguments resolved activation_checkpointing / gradient_checkpointing
 
     def _check_turn_layout(self) -> None:
         """Refuse what the per-turn layout cannot honour, and context policies without it."""

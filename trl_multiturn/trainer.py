@@ -36,10 +36,11 @@ from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.distributed import DistributedBackend
-from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
+from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import split_tensor_dict
 
 from . import metrics
+from .activation_checkpointing import suspends_checkpointing
 from .advantages import rollout_advantages
 from .batching import attach_normalizers, balanced_micro_batches, chunk_normalizers, chunk_tokens, shuffle_groups
 from .checkpointing import AtomicCheckpointMixin
@@ -134,9 +135,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             max_turns=args.max_turns, max_completion_length=args.max_completion_length,
             max_tokens_per_turn=args.max_tokens_per_turn, env_timeout=args.env_timeout,
             max_context_length=getattr(getattr(self.model, "config", None), "max_position_embeddings", None),
-            raise_on_env_error=args.raise_on_env_error, on_long_prompt=args.on_long_prompt,
-            turn_layout=args.turn_layout, context_fn=context_policy(args, self._tokenizer, context_fn),
-            turn_reward_gate=args.turn_reward_gate))
+            raise_on_env_error=args.raise_on_env_error, on_long_prompt=args.on_long_prompt, turn_layout=args.turn_layout,
+            context_fn=context_policy(args, self._tokenizer, context_fn), turn_reward_gate=args.turn_reward_gate))
         self._turn_rows = TurnRowRegistry() if args.turn_layout == "per_turn" else None
         self.add_callback(_SkipEmptyUpdate(self))
         # One sampling stream per rank: ranks holding members of one group would otherwise sample them identically
@@ -261,6 +261,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         self._metrics[mode]["rollout/skipped_update"].append(float(loss_tokens == 0))
 
     # ------------------------------------------------------------------ batching
+    @suspends_checkpointing  # rollouts and pi_old run without it; on again as configured (every_n_layers, policy)
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             batch = super()._prepare_inputs(generation_batch)
@@ -340,8 +341,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         """Each micro-batch's ``old_per_token_logps`` (b, C) from the call :meth:`compute_loss` makes on it (same rows,
         layout, one-time checks), before any update: a fresh ratio is exactly 1 without dropout, for one no-gradient
         forward. ``key="ref_per_token_logps"``: the reference model's, chosen as TRL does (per-turn rows are ours)."""
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
-                reference_model(self, key == "ref_per_token_logps") as model:
+        with torch.no_grad(), reference_model(self, key == "ref_per_token_logps") as model:  # checkpointing is off
             for chunk in chunks:
                 input_ids = torch.cat([chunk["prompt_ids"], chunk["completion_ids"]], dim=1)  # (b, P+C)
                 attention_mask = torch.cat([chunk["prompt_mask"], chunk["completion_mask"]], dim=1)  # (b, P+C)
