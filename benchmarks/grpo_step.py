@@ -387,6 +387,64 @@ def compare_work(a: dict, b: dict) -> dict:
     return {"same_work": same_counts, "identical_token_ids": same_ids, "lines": lines}
 
 
+#: forward-position units of one position of the gradient pass: its forward and its backward (with the base weights
+#: frozen, the input gradients cost about one forward, the adapter's own gradients little), plus, under full
+#: activation checkpointing, the decoder layers' forward once more in the backward. A no-grad position (rollout,
+#: prefill or decode) is one unit.
+GRAD_POSITION_UNITS = {"off": 2.0, "full": 3.0}
+
+
+def step_work(result: dict) -> dict:
+    """What bounds the step ratio on a device where the step is compute-bound (a CPU: the model's forwards are ~96%
+    of a rollout, matmuls ~60% of a training micro-batch): each side's arithmetic per step in forward-position units
+    (:data:`GRAD_POSITION_UNITS` x gradient positions + no-grad positions, from the positions the forward hook
+    counted), their ratio (TRL / ours: the step ratio that doing the same work faster per unit cannot exceed by much),
+    and what the step ratio is beside it. ``None`` where a side's checkpointing has no unit count (ours with
+    ``save_matmuls``: its recompute skips the matmuls, whose share is a measured time, not a count)."""
+    settings = result["settings"]
+    modes = {"trl": "off" if settings.get("no_gradient_checkpointing") else "full"}
+    modes["ours"] = modes["trl"] if settings.get("checkpoint_policy", "full") == "full" else None
+    out = {"grad_position_units": dict(GRAD_POSITION_UNITS), "checkpointing": modes, "units_per_step": {}}
+    for side, mode in modes.items():
+        med = result["median"].get(side)
+        if med is None or mode is None:
+            out["units_per_step"][side] = None
+            continue
+        out["units_per_step"][side] = (GRAD_POSITION_UNITS[mode] * med["train_forward_positions_per_step"]
+                                       + med["nograd_forward_positions_per_step"])
+    trl, ours = out["units_per_step"].get("trl"), out["units_per_step"].get("ours")
+    out["work_ratio_trl_over_ours"] = trl / ours if trl and ours else None
+    out["step_ratio_trl_over_ours"] = result.get("step_ratio_trl_over_ours_median")
+    if trl and ours:
+        med = result["median"]["ours"]
+        grad_only = GRAD_POSITION_UNITS[modes["ours"]] * med["train_forward_positions_per_step"]
+        # the most the step ratio could be with ours's rollout free and its gradient pass as it is
+        out["work_ratio_with_free_rollout"] = trl / grad_only
+        out["work_ratio_without_recompute"] = trl / (GRAD_POSITION_UNITS["off"] * med["train_forward_positions_per_step"]
+                                                     + med["nograd_forward_positions_per_step"])
+    return out
+
+
+def print_step_work(paths: list[str]) -> list[dict]:
+    """``--work-of``: :func:`step_work` of result files written earlier."""
+    import json
+
+    rows = []
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        w = step_work(result)
+        rows.append({"file": path, **w})
+        fmt = lambda x, f="{:.2f}x": "n/a" if x is None else f.format(x)  # noqa: E731
+        print(f"{path}: G={result['settings']['group_size']}, checkpointing TRL {w['checkpointing']['trl']} / ours "
+              f"{w['checkpointing']['ours'] or result['settings'].get('checkpoint_policy')}")
+        print(f"  units per step TRL {fmt(w['units_per_step'].get('trl'), '{:.0f}')}, ours "
+              f"{fmt(w['units_per_step'].get('ours'), '{:.0f}')}: work ratio {fmt(w['work_ratio_trl_over_ours'])}, "
+              f"measured step ratio {fmt(w['step_ratio_trl_over_ours'])}; with ours's rollout free "
+              f"{fmt(w.get('work_ratio_with_free_rollout'))}, without its recompute "
+              f"{fmt(w.get('work_ratio_without_recompute'))}")
+    return rows
+
+
 def compare_first_step(a: dict, b: dict, dtype: str) -> dict:
     """The first optimizer step of a round: same weights, same batch. The loss is ~0 on-policy on both sides (the
     ratio is 1 and a group's advantages sum to zero). The gradient norms are compared when they are not float noise:
@@ -437,7 +495,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sides", default="trl,ours", help="comma-separated subset of trl,ours, first side first")
     parser.add_argument("--out", default="benchmarks/results/grpo_step.json")
+    parser.add_argument("--work-of", nargs="+", metavar="RESULT_JSON",
+                        help="print each earlier result's work per step (step_work) and exit; runs nothing")
     args = parser.parse_args(argv)
+    if args.work_of:
+        return {"step_work": print_step_work(args.work_of)}
     args.micro_batch = args.micro_batch or args.group_size
     order = args.sides.split(",")
     if not order or len(set(order)) != len(order) or any(s not in SIDES for s in order):
@@ -560,6 +622,12 @@ def main(argv=None) -> dict:
         "rollout_inside_step": {s: all(rd[s]["rollout_inside_step"] for rd in rounds) for s in sides},
         "rounds": [{s: {k: v for k, v in rd[s].items() if not k.startswith("_")} for s in rd} for rd in rounds],
     }
+    if both:
+        result["step_work"] = step_work(result)
+        work_ratio = result["step_work"]["work_ratio_trl_over_ours"]
+        if work_ratio is not None:
+            print(f"work per step (forward-position units, benchmarks/grpo_step.py step_work) TRL / ours: "
+                  f"{work_ratio:.2f}x")
     W.write_result(result, args.out)
     return result
 

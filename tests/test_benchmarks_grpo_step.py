@@ -65,3 +65,35 @@ def test_grpo_step_benchmark_smoke(tmp_path):
     assert saved["command"].startswith("python benchmarks/grpo_step.py --model random-tiny")
     assert saved["machine"]["cpu_count"] >= 1
     assert result["median"]["trl"]["generated_tokens_per_step"] == result["median"]["ours"]["generated_tokens_per_step"]
+    # the work per step, from the positions the forwards computed (full checkpointing on both sides)
+    work, med = saved["step_work"], saved["median"]
+    assert work["checkpointing"] == {"trl": "full", "ours": "full"}
+    for side in ("trl", "ours"):
+        assert work["units_per_step"][side] == (3 * med[side]["train_forward_positions_per_step"]
+                                                + med[side]["nograd_forward_positions_per_step"])
+
+
+def test_step_work_counts_forward_position_units_by_checkpointing(tmp_path, capsys):
+    """Hand-computed: a gradient position is 3 units under full checkpointing (forward, recompute, backward), 2 without;
+    a no-grad position 1. Ours with save_matmuls has no unit count (its recompute is a measured time)."""
+    bench = _load_script()
+    result = {
+        "settings": {"group_size": 8, "no_gradient_checkpointing": False, "checkpoint_policy": "full"},
+        "median": {"trl": {"train_forward_positions_per_step": 100, "nograd_forward_positions_per_step": 200},
+                   "ours": {"train_forward_positions_per_step": 80, "nograd_forward_positions_per_step": 60}},
+        "step_ratio_trl_over_ours_median": 1.7,
+    }
+    work = bench.step_work(result)
+    assert work["units_per_step"] == {"trl": 500.0, "ours": 300.0}
+    assert work["work_ratio_trl_over_ours"] == 500 / 300
+    assert work["work_ratio_with_free_rollout"] == 500 / 240  # ours's gradient pass alone: 3 x 80
+    assert work["work_ratio_without_recompute"] == 500 / 220  # 2 x 80 + 60
+    off = bench.step_work({**result, "settings": {**result["settings"], "no_gradient_checkpointing": True}})
+    assert off["units_per_step"] == {"trl": 400.0, "ours": 220.0}
+    selective = bench.step_work({**result, "settings": {**result["settings"], "checkpoint_policy": "save_matmuls"}})
+    assert selective["units_per_step"]["ours"] is None and selective["work_ratio_trl_over_ours"] is None
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    out = bench.main(["--work-of", str(path)])
+    assert out["step_work"][0]["work_ratio_trl_over_ours"] == 500 / 300
+    assert "work ratio 1.67x, measured step ratio 1.70x" in capsys.readouterr().out

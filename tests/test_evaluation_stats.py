@@ -172,3 +172,32 @@ def test_answering_the_bridge_is_counted_and_old_records_still_summarize(smollm2
     assert out["summary"]["hops_2"]["answered_bridge"] == 0.5 and out["summary"]["hops_1"]["answered_bridge"] == 0.0
     old = [{k: v for k, v in r.items() if k != "answered_bridge"} for r in out["records"][:2]] + out["records"][2:]
     assert "answered_bridge" not in summarize(old)["all"] and summarize(old)["all"]["exact_match"] == 1 / 3
+
+
+def test_records_keep_the_queries_and_count_repeats_greedy_and_sampled(smollm2_tokenizer):
+    """A policy that searches the same query twice (case and spacing aside) before answering: each record lists the
+    greedy trajectory's queries and counts one repeated query; the sampled trajectories' queries, answers, searches,
+    answer rate and repeats are recorded per sample and averaged per question, and summarized like the others."""
+    from trl_multiturn.search import BM25Retriever, SearchEnvironment
+
+    tok = smollm2_tokenizer
+    kb = build_offline_dataset(num_entities=20, seed=0)
+    retriever = BM25Retriever(kb.corpus)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    looping = [ids("<search>Paris</search>"), ids("<search>  paris </search>"), ids("<answer>Paris</answer>")]
+    # each turn's action by the observations already in its context (greedy and sampled passes alike)
+    lm = ScriptedLM(lambda ctx: [looping[min(tok.decode(ctx).count("<information>"), 2)]], len(tok), tok.eos_token_id)
+    rows = [{"id": "a", "question": "capital of France?", "golden_answers": ["Paris"], "hops": 1},
+            {"id": "b", "question": "capital of Italy?", "golden_answers": ["Rome"], "hops": 2}]
+    out = evaluate_search_agent(lm, tok, rows, lambda: SearchEnvironment(retriever, topk=2), protocol=TagProtocol(),
+                                max_turns=4, max_completion_length=512, max_tokens_per_turn=16, batch_size=4,
+                                progress=False, num_samples=2, sampling=SamplingParams(temperature=0.7))
+    first = out["records"][0]
+    assert first["queries"] == ["Paris", "paris"] and first["repeated_queries"] == 1 and first["searches"] == 2
+    assert [s["queries"] for s in first["samples"]] == [["Paris", "paris"]] * 2
+    assert [s["answer"] for s in first["samples"]] == ["Paris", "Paris"]
+    assert [s["exact_match"] for s in out["records"][1]["samples"]] == [0.0, 0.0]
+    for r in out["records"]:
+        assert (r["sampled_searches"], r["sampled_answered"], r["sampled_repeated_queries"]) == (2.0, 1.0, 1.0)
+    assert out["summary"]["all"]["repeated_queries"] == 1.0 and out["summary"]["all"]["sampled_searches"] == 2.0
+    assert out["summary"]["all"]["sampled_exact_match"] == 0.5

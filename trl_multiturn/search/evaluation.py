@@ -36,13 +36,50 @@ from ..rollout import MultiTurnRollout, RolloutConfig
 from .rewards import exact_match, f1, substring_match
 
 METRICS = ("exact_match", "substring_match", "f1", "searches", "invalid_rate", "answered", "turns", "answered_bridge",
-           "redundant_searches")
+           "redundant_searches", "repeated_queries")
+#: per-question means over the k sampled trajectories (``num_samples``), beside ``sampled_exact_match``
+SAMPLED_METRICS = ("searches", "answered", "repeated_queries")
+
+
+def _queries(traj) -> list[str]:
+    """The search queries of a trajectory, in order (the environment's ``step_info``; budget-refused searches too)."""
+    return [str(i["query"]) for i in traj.info.get("step_info") or [] if i.get("query") is not None]
+
+
+def _repeated(queries: Sequence[str]) -> int:
+    """Searches whose query (case and spacing ignored) the episode already issued: a deterministic policy that
+    repeats a query gets the same documents back and usually the same next action, so under greedy decoding one
+    repeat tends to become a loop that runs out of turns."""
+    seen, repeats = set(), 0
+    for q in queries:
+        key = " ".join(q.lower().split())
+        repeats += key in seen
+        seen.add(key)
+    return repeats
+
+
+def _sampled_fields(row: dict, trajs) -> dict[str, Any]:
+    """The k sampled trajectories of one question: their mean exact match (``sampled_exact_match``), the means of
+    :data:`SAMPLED_METRICS` (``sampled_searches``, ...) and each sample's queries and answer (``samples``)."""
+    k = len(trajs)
+    ems = [exact_match(t.info.get("final_answer"), row["golden_answers"]) for t in trajs]
+    queries = [_queries(t) for t in trajs]
+    searches = [(t.info.get("step_info") or [{}])[-1].get("num_searches", len(q)) for t, q in zip(trajs, queries)]
+    return {
+        "sampled_exact_match": sum(ems) / k,
+        "sampled_searches": sum(searches) / k,
+        "sampled_answered": sum(t.info.get("final_answer") is not None for t in trajs) / k,
+        "sampled_repeated_queries": sum(_repeated(q) for q in queries) / k,
+        "samples": [{"exact_match": em, "queries": q, "answer": t.info.get("final_answer"),
+                     "stop_reason": t.info.get("stop_reason")} for em, q, t in zip(ems, queries, trajs)],
+    }
 
 
 def _record(row: dict, traj) -> dict[str, Any]:
     answer = traj.info.get("final_answer")
     golds = row["golden_answers"]
     actions = traj.info.get("actions", [])
+    queries = _queries(traj)
     return {
         "id": row.get("id"),
         "question": row.get("question"),
@@ -54,6 +91,7 @@ def _record(row: dict, traj) -> dict[str, Any]:
         "searches": (traj.info.get("step_info") or [{}])[-1].get("num_searches", sum(a == "tool" for a in actions)),
         # searches issued after a gold answer was already retrieved (SearchEnvironment's redundant_search)
         "redundant_searches": sum(bool(i.get("redundant_search")) for i in traj.info.get("step_info") or []),
+        "repeated_queries": _repeated(queries),
         "invalid_rate": (sum(1 for a in actions if a == "invalid") / len(actions)) if actions else 0.0,
         "answered": float(answer is not None),
         "turns": traj.num_turns,
@@ -61,6 +99,7 @@ def _record(row: dict, traj) -> dict[str, Any]:
         "answered_bridge": exact_match(answer, [row["bridge"]]) if row.get("bridge") else 0.0,
         "answer": answer,
         "stop_reason": traj.info.get("stop_reason"),
+        "queries": queries,
     }
 
 
@@ -77,7 +116,8 @@ def _subsets(records: Sequence[Any], hops=lambda r: r["hops"]) -> dict[str, list
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
     """Mean of each metric overall (``all``) and per hop count (``hops_1``, ``hops_2``, ...), with counts ``n``;
     ``sampled_exact_match`` (and any other metric) only when every record has it."""
-    metrics = [m for m in (*METRICS, "sampled_exact_match") if records and all(m in r for r in records)]
+    sampled = ("sampled_exact_match", *(f"sampled_{m}" for m in SAMPLED_METRICS))
+    metrics = [m for m in (*METRICS, *sampled) if records and all(m in r for r in records)]
     return {  # a metric the records lack (sampling not asked for, records from an older version) is left out
         name: {"n": len(rs), **{m: sum(r[m] for r in rs) / len(rs) for m in metrics}}
         for name, rs in _subsets(records).items()
@@ -218,7 +258,10 @@ def evaluate_search_agent(
 
     With ``num_samples=k >= 2``, each question is also rolled out k times with ``sampling`` (the training
     temperature / top-p / top-k; default ``SamplingParams()``, temperature 1) from a ``torch.Generator`` seeded with
-    ``seed`` (plus the rank), and its record gets ``sampled_exact_match``, the mean exact match of the k samples.
+    ``seed`` (plus the rank), and its record gets ``sampled_exact_match``, the mean exact match of the k samples,
+    the samples' mean searches, answer rate and repeated queries (``sampled_searches``, ``sampled_answered``,
+    ``sampled_repeated_queries``) and each sample's queries and answer (``samples``). Every record lists the greedy
+    trajectory's search ``queries`` and counts the ``repeated_queries`` among them.
 
     ``merge_adapter``: generate with a LoRA adapter folded into the weights (``generation.merged_lora``; faster, the
     same policy up to float rounding, the weights restored afterwards), as ``rollout_merge_adapter`` in training.
@@ -271,9 +314,7 @@ def evaluate_search_agent(
                 batch = shard[i : i + per_batch]
                 trajs = rollout.run([r for r in batch for _ in range(num_samples)], sampler, params)
                 for j, row in enumerate(batch):
-                    ems = [exact_match(t.info.get("final_answer"), row["golden_answers"])
-                           for t in trajs[j * num_samples : (j + 1) * num_samples]]
-                    records[i + j]["sampled_exact_match"] = sum(ems) / num_samples
+                    records[i + j].update(_sampled_fields(row, trajs[j * num_samples : (j + 1) * num_samples]))
                 if progress:
                     done = min(i + per_batch, len(shard))
                     em = sum(r["sampled_exact_match"] for r in records[:done]) / done
