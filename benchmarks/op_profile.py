@@ -8,8 +8,9 @@ Three measurements, each with ``torch.profiler`` (``with_flops=True``: the profi
   log-probs at the sampled positions only, a quarter of each row; LoRA r16 on every linear layer, no dropout;
   full activation checkpointing, turned on as the trainer turns it on), after one warm-up pass.
 - ``rollout``: one multi-turn rollout of ``benchmarks/workload.py``'s forced search work (``--prompts`` x ``--group-size``
-  trajectories, ``--turns`` turns) by ``MultiTurnRollout`` + ``TransformersGenerator``, after a warm-up rollout; the
-  generator's counters split its wall time into prefill and decode forwards.
+  trajectories, ``--turns`` turns) by ``MultiTurnRollout`` + ``TransformersGenerator``, after a warm-up rollout,
+  profiled over a window of ``--rollout-forwards`` model forward calls (a whole rollout's events would take tens of
+  GiB); the generator's counters split the whole rollout's wall time into prefill and decode forwards.
 - ``gemm``: ``torch.mm`` of M rows against the model's largest weight shape (576 x 1536), M = 16 (a decode step of
   16 rows) and M = 2048 (a training micro-batch), with the weights in cache (one weight) and out of it (200 weights,
   ~700 MB, read once each).
@@ -109,11 +110,38 @@ def profile_rollout(args) -> dict:
     ns = argparse.Namespace(turns=args.turns, max_completion_length=2048, seed=args.seed, temperature=1.0,
                             no_kv_reuse=False)
     run_ours(model, tok, wl.examples[: args.group_size], env_class, script, ns, counter, clock)  # warm-up
-    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+    # a whole rollout's events take tens of GiB in the profiler: profile a window of the model's forward calls,
+    # from the --rollout-skip-th on (past the first prefills), and the Python between them
+    prof = profile(activities=[ProfilerActivity.CPU], with_flops=True)
+    calls = {"n": 0, "decode": 0, "prefill": 0, "on": False}
+
+    def before(module, args_, kwargs):
+        calls["n"] += 1
+        if calls["n"] == args.rollout_skip + 1:
+            prof.start()
+            calls["on"] = True
+        if calls["on"]:
+            ids = kwargs.get("input_ids", args_[0] if args_ else None)
+            calls["decode" if ids is not None and ids.shape[-1] == 1 else "prefill"] += 1
+
+    def after(module, args_, kwargs, output):
+        if calls["on"] and calls["n"] == args.rollout_skip + args.rollout_forwards:
+            prof.stop()
+            calls["on"] = False
+
+    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+             model.register_forward_hook(after, with_kwargs=True)]
+    try:
         res = run_ours(model, tok, wl.examples, env_class, script, ns, counter, clock)
+    finally:
+        for h in hooks:
+            h.remove()
+        if calls["on"]:
+            prof.stop()
     counter.close()
     g = res["generator_stats"]
     return {"trajectories": n, "turns": args.turns, "wall_s": res["wall_s"],
+            "profiled_forwards": {"decode": calls["decode"], "prefill": calls["prefill"]},
             "forward_prefill_s": g["forward_s"] - g["decode_forward_s"], "forward_decode_s": g["decode_forward_s"],
             "decode_steps": g["decode_steps"], "decode_positions": g["decode_positions"],
             "prefill_tokens": g["prefill_tokens"], "generated_tokens": g["generated_tokens"],
@@ -153,6 +181,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", type=int, default=2, help="rollout: prompts")
     parser.add_argument("--group-size", type=int, default=8, help="rollout: trajectories per prompt")
     parser.add_argument("--turns", type=int, default=3, help="rollout: turns per trajectory")
+    parser.add_argument("--rollout-skip", type=int, default=20, help="rollout: forward calls before the profiled window")
+    parser.add_argument("--rollout-forwards", type=int, default=60, help="rollout: forward calls profiled")
     parser.add_argument("--parts", default="train,rollout,gemm", help="comma-separated subset of train,rollout,gemm")
     parser.add_argument("--gemm-weights", type=int, default=200,
                         help="gemm: distinct 576 x 1536 weights (200: ~700 MB, more than the caches hold)")
@@ -173,7 +203,8 @@ def main(argv=None) -> dict:
     for part in ("train", "rollout"):
         if part in results:
             r = results[part]
-            print(f"\n{part}: {r['wall_s']:.1f} s profiled; matmuls {r['matmul_share']:.1%} of the operators' self "
+            window = f" ({r['profiled_forwards']} forwards)" if "profiled_forwards" in r else ""
+            print(f"\n{part}: {r['wall_s']:.1f} s{window}; matmuls {r['matmul_share']:.1%} of the operators' self "
                   f"time at {r['matmul_gflops'] or 0:.1f} GFLOPS")
             for row in r["ops"]:
                 rate = f", {row['gflops']:.1f} GFLOPS" if row["gflops"] else ""

@@ -21,7 +21,7 @@ def test_op_profile_smoke(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "op.json"
     bench.main(["--model", "random-tiny", "--rows", "2", "--length", "64", "--prompts", "1", "--group-size", "2",
-                "--turns", "2", "--gemm-weights", "6", "--top", "40", "--out", str(out)])
+                "--turns", "2", "--rollout-skip", "1", "--rollout-forwards", "6", "--gemm-weights", "6", "--top", "40", "--out", str(out)])
     saved = json.loads(out.read_text())
     for part in ("train", "rollout"):
         r = saved[part]
@@ -35,3 +35,4 @@ def test_op_profile_smoke(tmp_path):
     assert set(saved["gemm"]) == {"M=16", "M=2048"}
     assert all(v["gflops_weights_cached"] > 0 for v in saved["gemm"].values())
     assert saved["command"].startswith("python benchmarks/op_profile.py --model random-tiny")
+    assert sum(saved["rollout"]["profiled_forwards"].values()) == 6  # the profiled window of forward calls
