@@ -52,6 +52,7 @@ class SearchAgentArguments:
     max_searches: int = field(default=3, metadata={"help": "Searches allowed per episode."})
     retrieval_hit_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for the first search that surfaces a gold answer (0 = off)."})
     redundant_search_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for every search issued after a gold answer was already retrieved in the episode: a cost when below 0 (e.g. -1.0), for searching on once the answer is in the context (0 = off). Like retrieval_hit_reward it is part of the environment's reward (env_reward); a turn_advantage other than 'trajectory' also credits it to the turns up to that search."})
+    repeated_query_reward: float = field(default=0.0, metadata={"help": "Per-turn reward for every search whose query (case and spacing ignored) the episode already searched: a cost when below 0 (e.g. -1.0). The same query gets the same documents back, so it is never useful; under greedy decoding one repeat tends to become a loop that runs out of turns (0 = off). Added to the search's other per-turn rewards and credited like them."})
     offline_entities: int = field(default=300, metadata={"help": "People in the generated knowledge base (both splits)."})
     kb_seed: int = field(default=0, metadata={"help": "Seed of the generated knowledge base."})
     question_hops: str = field(default="all", metadata={"help": "Keep only questions with this many hops, training and held-out: '1', '2' or 'all' (questions without a 'hops' field count as 1)."})
@@ -389,7 +390,8 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
     def env_factory():
         return SearchEnvironment(retriever, topk=script_args.topk, max_searches=script_args.max_searches,
                                  retrieval_hit_reward=script_args.retrieval_hit_reward,
-                                 redundant_search_reward=script_args.redundant_search_reward)
+                                 redundant_search_reward=script_args.redundant_search_reward,
+                                 repeated_query_reward=script_args.repeated_query_reward)
 
     base_path, model, tokenizer = load_model(model_args, training_args)
     peft_config = get_peft_config(model_args)

@@ -158,6 +158,33 @@ def test_redundant_search_reward_charges_every_search_after_the_answer_was_retri
         SearchEnvironment(small_bm25, redundant_search_reward=float("nan"))
 
 
+def test_repeated_query_reward_charges_a_query_the_episode_already_searched(small_bm25):
+    env = SearchEnvironment(small_bm25, topk=1, retrieval_hit_reward=0.2, repeated_query_reward=-1.0)
+    env.reset(ROW)
+    first = env.step(search("copper wire"))
+    assert first.reward == 0.0 and first.info["repeated_query"] is False
+    other = env.step(search("copper  wire alloy"))  # a different query is not a repeat
+    assert other.reward == 0.0 and other.info["repeated_query"] is False
+    again = env.step(search("  Copper WIRE "))  # case and spacing ignored
+    assert again.reward == -1.0 and again.info["repeated_query"] is True
+    assert again.observation == first.observation  # retrieved as usual: the same documents come back
+    env.reset(ROW)  # a new episode remembers nothing
+    assert env.step(search("copper wire")).info["repeated_query"] is False
+    both = SearchEnvironment(small_bm25, topk=1, retrieval_hit_reward=0.2, redundant_search_reward=-0.5,
+                             repeated_query_reward=-1.0)
+    both.reset(ROW)
+    assert both.step(search("Zorvek Talamir")).reward == 0.2
+    assert both.step(search("zorvek talamir")).reward == -1.5  # after a hit and a repeat: both costs
+    assert both.step(search("Zorvek Talamir botanist")).reward == -0.5  # after a hit only
+    capped = SearchEnvironment(small_bm25, topk=1, max_searches=1, repeated_query_reward=-1.0)
+    capped.reset(ROW)
+    capped.step(search("copper wire"))
+    refused = capped.step(search("copper wire"))  # refused by the budget: not retrieved, not charged
+    assert refused.info["action"] == "search_limit" and refused.reward == 0.0
+    with pytest.raises(ValueError, match="repeated_query_reward must be a finite number; got inf"):
+        SearchEnvironment(small_bm25, repeated_query_reward=float("inf"))
+
+
 def test_reset_checks_columns_and_starts_fresh(small_bm25):
     env = SearchEnvironment(small_bm25)
     assert env.required_columns == ("question", "golden_answers")

@@ -68,6 +68,11 @@ BUDGET_FEEDBACK = (
 ERROR_FEEDBACK = "The search engine failed to answer this time ({error}). I can search again or give the answer."
 
 
+def query_key(query: str) -> str:
+    """The form two queries are compared in: case and spacing ignored (``"Acme  corp"`` repeats ``"acme Corp"``)."""
+    return " ".join(str(query).lower().split())
+
+
 def render_documents(docs: Sequence[Document]) -> str:
     """Search-R1's rendering: ``Doc i(Title: "title") text`` per document, one per line, ``i`` from 1."""
     return "\n".join(f'Doc {i}(Title: "{d.title}") {d.text}' for i, d in enumerate(docs, 1))
@@ -87,13 +92,18 @@ class SearchEnvironment:
         redundant_search_reward: per-turn reward for EVERY search issued after an earlier search of the episode
             already returned a gold answer: a cost when below 0 (e.g. -1.0), for searching on once the answer is in
             the context; 0.0 turns it off. A search refused by ``max_searches`` is not retrieved and not charged.
+        repeated_query_reward: per-turn reward for EVERY search whose query (case and spacing ignored,
+            :func:`query_key`) the episode already searched: a cost when below 0 (e.g. -1.0). Such a search gets
+            the same documents back, so it is never useful, and under greedy decoding one repeat tends to become a
+            loop that runs out of turns. Added to the search's other per-turn reward (a repeat after a hit also
+            pays ``redundant_search_reward``); 0.0 turns it off. A budget-refused search is not charged.
         tool_name: the tool name the protocol gives search actions.
 
     Columns read from a row: ``question`` and ``golden_answers`` (``required_columns``); ``gold_doc_ids`` and
     ``id`` when present (gold document hits are then reported).
 
     ``info`` of each step: ``action`` ("search", "answer", "invalid", "search_limit", "retrieval_error"), and for
-    searches ``query``, ``doc_ids``, ``retrieval_hit``, ``redundant_search``, ``gold_doc_hit``; for answers
+    searches ``query``, ``doc_ids``, ``retrieval_hit``, ``redundant_search``, ``repeated_query``, ``gold_doc_hit``; for answers
     ``answer``, ``exact_match``, ``substring_match``, ``f1``; always the running totals ``num_searches``, ``num_retrieval_hits``,
     ``num_invalid``, ``num_search_limit``, ``num_retrieval_errors``.
     """
@@ -108,6 +118,7 @@ class SearchEnvironment:
         prompt_template: str = SEARCH_R1_TEMPLATE,
         retrieval_hit_reward: float = 0.0,
         redundant_search_reward: float = 0.0,
+        repeated_query_reward: float = 0.0,
         tool_name: str = "search",
     ) -> None:
         if not hasattr(retriever, "retrieve"):
@@ -123,11 +134,13 @@ class SearchEnvironment:
         self.max_searches = max_searches
         self.prompt_template = prompt_template
         for name, value in (("retrieval_hit_reward", retrieval_hit_reward),
-                            ("redundant_search_reward", redundant_search_reward)):
+                            ("redundant_search_reward", redundant_search_reward),
+                            ("repeated_query_reward", repeated_query_reward)):
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number; got {value!r}.")
         self.retrieval_hit_reward = retrieval_hit_reward
         self.redundant_search_reward = redundant_search_reward
+        self.repeated_query_reward = repeated_query_reward
         self.tool_name = tool_name
         self.example: dict[str, Any] = {}
         self._reset_state()
@@ -200,6 +213,7 @@ class SearchEnvironment:
                 ERROR_FEEDBACK.format(error=type(e).__name__),
                 {"action": "retrieval_error", "query": query, "error": str(e)},
             )
+        repeated = query_key(query) in {query_key(q) for q in self.queries}
         self.num_searches += 1
         observation = render_documents(docs)
         doc_ids = [d.id for d in docs]
@@ -211,6 +225,8 @@ class SearchEnvironment:
             reward = self.redundant_search_reward
         else:
             reward = self.retrieval_hit_reward if hit else 0.0
+        if repeated:
+            reward += self.repeated_query_reward
         self.num_retrieval_hits += int(hit)
         info = {
             "action": "search",
@@ -218,6 +234,7 @@ class SearchEnvironment:
             "doc_ids": doc_ids,
             "retrieval_hit": hit,
             "redundant_search": redundant,
+            "repeated_query": repeated,
             "gold_doc_hit": bool(self.gold_doc_ids & set(doc_ids)) if self.gold_doc_ids else None,
         }
         return self._step(observation, info, reward=reward)

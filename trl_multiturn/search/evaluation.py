@@ -33,6 +33,7 @@ from ..generation import SamplingParams, TransformersGenerator
 from ..generation.merged_lora import merged_lora
 from ..protocols import TagProtocol
 from ..rollout import MultiTurnRollout, RolloutConfig
+from .environment import query_key
 from .rewards import exact_match, f1, substring_match
 
 METRICS = ("exact_match", "substring_match", "f1", "searches", "invalid_rate", "answered", "turns", "answered_bridge",
@@ -52,7 +53,7 @@ def _repeated(queries: Sequence[str]) -> int:
     repeat tends to become a loop that runs out of turns."""
     seen, repeats = set(), 0
     for q in queries:
-        key = " ".join(q.lower().split())
+        key = query_key(q)
         repeats += key in seen
         seen.add(key)
     return repeats
