@@ -106,6 +106,18 @@ def test_configuration_reference_is_up_to_date():
         assert f"| `{name}` |" in current
 
 
+def test_learning_proof_table_is_up_to_date():
+    """The page's table of learning-proof runs is what docs/scripts/learning_proof_table.py renders from the JSON."""
+    script = _load_script("learning_proof_table")
+    assert script.on_page() == script.render(), "run python docs/scripts/learning_proof_table.py --write"
+    rows = script.rows()
+    assert len(rows) == sum(len(run[-1]) for run in script.RUNS)
+    for row in rows:  # the verdict column follows the rule from the intervals, not from a label
+        em = row["em"]
+        assert row["target"] == (em["all"]["ci_low"] > 0 and em["hops_1"]["ci_high"] >= 0 and em["hops_2"]["ci_high"] >= 0)
+        assert em["all"]["ci_low"] <= em["all"]["diff"] <= em["all"]["ci_high"]
+
+
 def test_pg_loss_zero_script_fast(tmp_path):
     """docs/scripts/pg_loss_zero.py in its fast mode: its own checks pass, and the claims of the page hold."""
     import torch
