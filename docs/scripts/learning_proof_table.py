@@ -47,6 +47,8 @@ RUNS = (
      "repeat64_seed{seed}_step1_vs_warm_start.json", (0, 1)),
     ("exact-match-alone-64-groups", "exact match alone (Search-R1's reward)", "1 x 64", "5e-5",
      "outcome64_seed{seed}_step1_vs_warm_start.json", (0, 1)),
+    ("rollouts-at-temperature-05-64-groups", "the same, rollouts at temperature 0.5", "1 x 64", "5e-5",
+     "outcome64_t05_seed{seed}_step1_vs_warm_start.json", (0, 1)),
 )
 SUBSETS = ("all", "hops_1", "hops_2")
 
