@@ -49,6 +49,10 @@ RUNS = (
      "outcome64_seed{seed}_step1_vs_warm_start.json", (0, 1)),
     ("rollouts-at-temperature-05-64-groups", "the same, rollouts at temperature 0.5", "1 x 64", "5e-5",
      "outcome64_t05_seed{seed}_step1_vs_warm_start.json", (0, 1)),
+    ("two-on-policy-steps-of-32-groups", "exact match alone, two on-policy steps: after the first", "1 x 32", "2.5e-5",
+     "outcome2x32_seed{seed}_step1_vs_warm_start.json", (0, 1)),
+    ("two-on-policy-steps-of-32-groups", "exact match alone, two on-policy steps: after the second", "2 x 32",
+     "2.5e-5", "outcome2x32_seed{seed}_step2_vs_warm_start.json", (0, 1)),
 )
 SUBSETS = ("all", "hops_1", "hops_2")
 
