@@ -7,6 +7,8 @@ Each file is what `recipes/evaluate_search_agent.py --output_json` or the traini
 writes (a `records` list with one record per question). Both must hold the same questions (evaluate both stages
 with `--heldout balanced`). Exact match is compared always; sampled exact match when both files have it
 (`--num_samples`). An interval that excludes 0 is a change that resampling the questions does not explain.
+Where both files name the library versions that made them (`environment.versions`) and these differ, the comparison
+says so (`versions_differ`): a paired difference then mixes the training with the change of libraries.
 """
 
 from __future__ import annotations
@@ -27,9 +29,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--confidence", type=float, default=0.95, help="level of the interval (default 0.95)")
     parser.add_argument("--output_json", default=None, help="also write the comparison here")
     args = parser.parse_args(argv)
-    records = [json.loads(Path(p).read_text())["records"] for p in (args.a, args.b)]
-    out = compare_evaluations(*records, resamples=args.resamples, seed=args.seed, confidence=args.confidence)
+    files = [json.loads(Path(p).read_text()) for p in (args.a, args.b)]
+    out = compare_evaluations(*(f["records"] for f in files), resamples=args.resamples, seed=args.seed,
+                              confidence=args.confidence)
     out.update(a=args.a, b=args.b)
+    versions = [f.get("environment", {}).get("versions", {}) for f in files]
+    differ = {k: [versions[0][k], versions[1][k]] for k in versions[0].keys() & versions[1].keys()
+              if versions[0][k] != versions[1][k]}
+    if differ:
+        out["versions_differ"] = differ
+        print(f"note: A and B were made with different library versions: {differ}")
     level = f"{args.confidence:.0%} CI"
     print(f"B = {args.b}\nA = {args.a}")
     print(f"{'metric':<20} {'subset':<7} {'n':>5} {'A':>6} {'B':>6} {'B - A':>7} {level:>18}")

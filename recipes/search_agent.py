@@ -29,6 +29,7 @@ from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config, get_quantiza
 from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 from trl_multiturn.context import context_policy
 from trl_multiturn.generation import sampling_params_from_config
+from trl_multiturn.hub import framework_versions
 from trl_multiturn.protocols import TagProtocol
 from trl_multiturn.rollout import RolloutConfig
 from trl_multiturn.search import SearchEnvironment
@@ -483,6 +484,7 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
 
     results["total_minutes"] = (time.perf_counter() - t0) / 60
     results["hardware"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{os.cpu_count()}"
+    results["environment"] = {"versions": framework_versions(), "torch_threads": torch.get_num_threads()}
     table = print_table(results)
     if state.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from scripted import ScriptedLM
 
@@ -97,6 +98,15 @@ def test_compare_script_prints_and_writes(tmp_path, capsys):
     assert json.loads((tmp_path / "c.json").read_text())["exact_match"] == out["exact_match"]
     assert out["exact_match"]["all"]["diff"] == pytest.approx(4 / 12)  # 4 solved -> 8 solved
     assert "exact_match          all" in capsys.readouterr().out
+    assert "versions_differ" not in out  # neither file names its versions
+
+    env = {"versions": {"PEFT": "0.21.2", "TRL": "1.16.0"}}
+    (tmp_path / "a.json").write_text(json.dumps({"records": a, "environment": env}))
+    (tmp_path / "b.json").write_text(json.dumps({"records": b, "environment": {"versions": {"PEFT": "0.22.0",
+                                                                                         "TRL": "1.16.0"}}}))
+    out = script.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert out["versions_differ"] == {"PEFT": ["0.21.2", "0.22.0"]}
+    assert "different library versions" in capsys.readouterr().out
 
 
 def test_heldout_set_is_balanced_fixed_and_order_free():
@@ -153,6 +163,10 @@ def test_sampled_exact_match_rolls_out_k_samples_per_question(smollm2_tokenizer)
     assert [r["sampled_exact_match"] for r in out["records"]] == [1.0, 0.0, 1.0]
     assert out["summary"]["hops_2"]["sampled_exact_match"] == 0.5
     assert out["summary"] == summarize(out["records"])
+    from importlib.metadata import version
+
+    assert out["environment"]["versions"]["PEFT"] == version("peft")  # the versions that made these records
+    assert out["environment"]["torch_threads"] == torch.get_num_threads()
     with pytest.raises(ValueError, match="num_samples=1"):
         evaluate_search_agent(lm, tok, rows, AnswerEnv, num_samples=1)
 

@@ -111,6 +111,11 @@ def test_model_card_metadata_and_content(saved_adapter):
     assert config["num_generations"] == 5 and config["hub_token"] == "<redacted>"
     assert 'PeftModel.from_pretrained(base, "me/agent")' in text
     assert "hf_secret" not in (out / "README.md").read_text()
+    from importlib.metadata import version
+
+    versions = text.split("## Framework versions", 1)[1]  # as TRL's cards list them: the installed versions
+    for name, dist in (("TRL", "trl"), ("Transformers", "transformers"), ("PEFT", "peft"), ("PyTorch", "torch")):
+        assert f"- {name}: {version(dist)}\n" in versions
 
 
 def test_saved_files(saved_adapter, plot_png):

@@ -4,7 +4,7 @@
 `adapter_model.safetensors`), the tokenizer, and a README.md model card with YAML metadata (`base_model`,
 `library_name: peft`, `pipeline_tag: text-generation`, tags `trl`, `grpo`, `multi-turn`, `trl-multiturn`), how the
 adapter was trained (config, environment, dataset), an evaluation table, an optional plot and a snippet that loads
-and runs it. `push_to_hub` publishes that directory in ONE commit (creating the repository if needed); when the push
+and runs it, and the framework versions it was trained with (as TRL's cards list them). `push_to_hub` publishes that directory in ONE commit (creating the repository if needed); when the push
 fails it raises `HubPushError`, whose message says why and that the local copy is kept. `merge_and_save` folds the
 adapter into full-precision base weights for users who want a plain transformers model.
 
@@ -26,6 +26,10 @@ from typing import Any
 import yaml
 
 CARD_TAGS = ("trl", "grpo", "multi-turn", "trl-multiturn")
+# The libraries whose versions decide what a run computes: listed in model cards and in evaluation records, because
+# the same command on other versions can give another adapter (LoRA initialisation, kernels, sampling).
+FRAMEWORKS = {"trl-multiturn": "trl-multiturn", "TRL": "trl", "Transformers": "transformers", "PEFT": "peft",
+              "PyTorch": "torch", "Accelerate": "accelerate", "Datasets": "datasets", "Tokenizers": "tokenizers"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The offline base model is the de-quantized GGUF copy of this Hub model (see trl_multiturn.models).
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -206,6 +210,19 @@ def card_metadata(info: ModelCardInfo, *, merged: bool = False) -> dict[str, Any
     return metadata
 
 
+def framework_versions() -> dict[str, str]:
+    """The installed version of each library in ``FRAMEWORKS`` (``"not installed"`` where one is missing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name, dist in FRAMEWORKS.items():
+        try:
+            out[name] = version(dist)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
 def render_model_card(info: ModelCardInfo, *, plot_name: str | None = None, adapter: str, merged: bool = False) -> str:
     """The README.md text: YAML metadata, then how it was trained, evaluation, plot and a loading snippet."""
     metadata = yaml.safe_dump(card_metadata(info, merged=merged), sort_keys=False).strip()
@@ -229,6 +246,7 @@ def render_model_card(info: ModelCardInfo, *, plot_name: str | None = None, adap
     if plot_name:
         parts.append(f"![{info.plot_caption}]({plot_name})")
     parts.append(_usage_section(info, base_id=base_id, adapter=adapter, merged=merged))
+    parts.append("## Framework versions\n\n" + "\n".join(f"- {k}: {v}" for k, v in framework_versions().items()))
     return "\n\n".join(parts) + "\n"
 
 

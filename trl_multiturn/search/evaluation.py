@@ -31,6 +31,7 @@ import torch
 
 from ..generation import SamplingParams, TransformersGenerator
 from ..generation.merged_lora import merged_lora
+from ..hub import framework_versions
 from ..protocols import TagProtocol
 from ..rollout import MultiTurnRollout, RolloutConfig
 from .environment import query_key
@@ -267,7 +268,9 @@ def evaluate_search_agent(
     ``merge_adapter``: generate with a LoRA adapter folded into the weights (``generation.merged_lora``; faster, the
     same policy up to float rounding, the weights restored afterwards), as ``rollout_merge_adapter`` in training.
 
-    Returns ``{"summary": summarize(records), "records": [...], "seconds": wall time}``.
+    Returns ``{"summary": summarize(records), "records": [...], "seconds": wall time, "environment": {"versions":
+    framework_versions(), "torch_threads": torch's intra-op threads}}``: two records compare question by question
+    only when the same versions made them.
     """
     if num_samples == 1 or num_samples < 0:
         raise ValueError(f"num_samples={num_samples}: use 0 (greedy only) or k >= 2 samples per question.")
@@ -330,4 +333,6 @@ def evaluate_search_agent(
         from accelerate.utils import gather_object
 
         records = gather_object(records)
-    return {"summary": summarize(records), "records": records, "seconds": time.perf_counter() - start}
+    environment = {"versions": framework_versions(), "torch_threads": torch.get_num_threads()}
+    return {"summary": summarize(records), "records": records, "seconds": time.perf_counter() - start,
+            "environment": environment}
