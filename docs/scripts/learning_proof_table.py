@@ -53,6 +53,8 @@ RUNS = (
      "outcome2x32_seed{seed}_step1_vs_warm_start.json", (0, 1)),
     ("two-on-policy-steps-of-32-groups", "exact match alone, two on-policy steps: after the second", "2 x 32",
      "2.5e-5", "outcome2x32_seed{seed}_step2_vs_warm_start.json", (0, 1)),
+    ("three-on-policy-steps-of-32-groups", "exact match alone, three on-policy steps", "3 x 32", "2.5e-5",
+     "outcome3x32_seed{seed}_step3_vs_warm_start.json", (0, 1)),
 )
 SUBSETS = ("all", "hops_1", "hops_2")
 
