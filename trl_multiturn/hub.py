@@ -3,9 +3,9 @@
 `save_adapter` writes a directory that works as it is: the PEFT adapter (`adapter_config.json`,
 `adapter_model.safetensors`), the tokenizer, and a README.md model card with YAML metadata (`base_model`,
 `library_name: peft`, `pipeline_tag: text-generation`, tags `trl`, `grpo`, `multi-turn`, `trl-multiturn`), how the
-adapter was trained (config, environment, dataset), an evaluation table, an optional plot and a snippet that loads
-and runs it, and the framework versions it was trained with (as TRL's cards list them). `push_to_hub` publishes that directory in ONE commit (creating the repository if needed); when the push
-fails it raises `HubPushError`, whose message says why and that the local copy is kept. `merge_and_save` folds the
+adapter was trained (config, environment, dataset), an evaluation table, an optional plot, a snippet that loads
+and runs it, and the framework versions it was trained with (as TRL's cards list them). `push_to_hub` publishes that
+directory in ONE commit (creating the repository if needed); when the push fails it raises `HubPushError`, whose message says why and that the local copy is kept. `merge_and_save` folds the
 adapter into full-precision base weights for users who want a plain transformers model.
 
 Where this departs from `Trainer.push_to_hub`: the card describes the multi-turn set-up (environment, evaluation
