@@ -5,8 +5,9 @@
 `library_name: peft`, `pipeline_tag: text-generation`, tags `trl`, `grpo`, `multi-turn`, `trl-multiturn`), how the
 adapter was trained (config, environment, dataset), an evaluation table, an optional plot, a snippet that loads
 and runs it, and the framework versions it was trained with (as TRL's cards list them). `push_to_hub` publishes that
-directory in ONE commit (creating the repository if needed); when the push fails it raises `HubPushError`, whose message says why and that the local copy is kept. `merge_and_save` folds the
-adapter into full-precision base weights for users who want a plain transformers model.
+directory in ONE commit (creating the repository if needed); when the push fails it raises `HubPushError`, whose
+message says why and that the local copy is kept. `merge_and_save` folds the adapter into full-precision base weights
+for users who want a plain transformers model.
 
 Where this departs from `Trainer.push_to_hub`: the card describes the multi-turn set-up (environment, evaluation
 before and after), and the push is a single commit with an error that keeps the local files.
