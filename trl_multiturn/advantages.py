@@ -153,6 +153,79 @@ def group_advantages(
     return _normalize_kept(r, None if keep is None else keep.to(r.device), group_size, scale, eps)  # (B,)
 
 
+def greedy_baseline_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    group_size: int,
+    scale: str = "group",
+    eps: float = 1e-6,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Advantages against the group's greedy member, the baseline of ReMax and self-critical sequence training.
+
+    Member 0 of each group was decoded greedily (``MultiTurnGRPOConfig.greedy_baseline``) and is not trained; the
+    other ``G - 1`` were sampled:
+
+        A_i = (r_i - r_greedy) / (std_G + eps)   i = 1 .. G-1,        A_greedy = 0
+
+    The greedy reward is a function of the policy and the prompt, not of the samples, so as a baseline it leaves the
+    policy gradient unbiased; unlike the group mean it is not zero-mean over the samples: a group whose samples all
+    answer while the greedy decode does not carries signal, and one where the samples and the greedy decode agree
+    does not. ``scale``: "group" divides by the unbiased std of all G rewards of the group (greedy included), "batch"
+    by the std of the batch's kept rewards, "none" not at all. A group whose kept rewards are all equal gets exactly
+    0. A dropped sampled member gets 0 and leaves the std; when the greedy member is dropped, the group falls back to
+    GRPO over its kept samples (:func:`group_advantages`' math, at least 2 needed).
+
+    Args:
+        rewards: (B,) trajectory rewards, group ``g`` in rows ``[g*G, (g+1)*G)``, its greedy member first.
+        group_size: G >= 2 (a greedy member and at least one sample).
+        scale, eps, keep: as :func:`group_advantages`.
+
+    Returns:
+        (B,) advantages, 0 on every greedy member.
+    """
+    _check_scale(scale)
+    keep, rewards, _ = _apply_keep(keep, rewards, None)
+    r = _as_rewards(rewards)  # (B,)
+    _check_group_size(group_size, r.numel())
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size} leaves no sampled member next to the greedy one; use "
+                         "num_generations >= 2 with greedy_baseline.")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps={eps!r} must be a finite number >= 0.")
+    kept = torch.ones_like(r, dtype=torch.bool) if keep is None else keep.to(r.device)  # (B,)
+    out = torch.zeros_like(r)  # (B,)
+    batch_std = None
+    if scale == "batch":
+        values = r[kept]  # (n_kept,)
+        batch_std = values.std() if values.numel() > 1 else r.new_tensor(1.0)  # () over the kept rewards
+    for start in range(0, r.numel(), group_size):
+        rows = torch.arange(start, start + group_size, device=r.device)[kept[start : start + group_size]]  # kept
+        samples = rows[rows != start]  # kept sampled members
+        if samples.numel() == 0 or rows.numel() < 2:
+            continue
+        values = r[rows]  # (n,)
+        if bool((values == values[0]).all()):
+            continue  # identical rewards: exactly 0
+        if rows[0] == start:  # the greedy member is kept: it is the baseline
+            centered = r[samples] - r[start]  # (n - 1,)
+            std = values.std()  # () unbiased, greedy included
+        else:  # no greedy reward: GRPO over the kept samples
+            centered = r[samples] - r[samples].mean()
+            std = r[samples].std()
+        if scale == "group":
+            out[samples] = centered / (std + eps)
+        elif scale == "batch":
+            out[samples] = centered / (batch_std + eps)
+        else:
+            out[samples] = centered
+    return out  # (B,)
+
+
+def greedy_rows(count: int, start: int, group_size: int) -> list[bool]:
+    """Which of ``count`` rows, the first at global index ``start``, are their group's greedy member (the first)."""
+    return [(start + i) % group_size == 0 for i in range(count)]
+
+
 def _apply_keep(keep, rewards, turn_rewards):
     """``(keep (B,) bool on CPU or None, rewards with dropped rows read as 0, turn_rewards likewise)``."""
     if keep is None:
@@ -364,6 +437,7 @@ def rollout_advantages(
     action_mask: torch.Tensor | None = None,
     gamma: float = 1.0,
     turn_weight: float = 1.0,
+    greedy_baseline: bool = False,
 ) -> RolloutAdvantages:
     """Advantages of a whole rollout from its reward table, as ``MultiTurnGRPOTrainer`` trains them.
 
@@ -383,6 +457,8 @@ def rollout_advantages(
         eps, gamma, turn_weight: as :func:`turn_advantages`.
         turn_rewards, turn_ids, action_mask: the turn modes' inputs (B lists; (B, T), (B, T)); unread in
             "trajectory" mode.
+        greedy_baseline: member 0 of each group is a greedy decode: :func:`greedy_baseline_advantages` ("trajectory"
+            mode only).
 
     Returns:
         :class:`RolloutAdvantages`.
@@ -395,8 +471,11 @@ def rollout_advantages(
     rewards[dropped] = float("nan")  # (B,)
     scale = scale if scale in VALID_SCALES else "group"
     if mode == "trajectory":
-        advantages = group_advantages(rewards, group_size, scale=scale, eps=eps, keep=torch.isfinite(rewards))  # (B,)
+        advantage_fn = greedy_baseline_advantages if greedy_baseline else group_advantages
+        advantages = advantage_fn(rewards, group_size, scale=scale, eps=eps, keep=torch.isfinite(rewards))  # (B,)
         return RolloutAdvantages(advantages, rewards, dropped)
+    if greedy_baseline:
+        raise ValueError(f"greedy_baseline=True works with turn_advantage='trajectory' only; got {mode!r}.")
     outcome = (rewards_per_func[:, :-1] * w[:-1].unsqueeze(0)).nansum(dim=1)  # (B,) the reward functions only
     outcome[dropped] = float("nan")
     finite = [[0.0] * len(row) if d else [r if math.isfinite(r) else 0.0 for r in row]

@@ -287,6 +287,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
     turn_reward_gate (`str`, defaults to `"none"`): "finished" zeroes the positive per-turn rewards of trajectories
         that did not answer (out of turns or tokens); negative ones (costs) stay.
     advantage_eps (`float`, defaults to `1e-6`): epsilon in `(r - mean) / (std + eps)` (VeRL's value).
+    greedy_baseline (`bool`, defaults to `False`): each group's first rollout is decoded greedily, not trained, and
+        is the baseline of the others (ReMax / self-critical).
 
     > Parameters that control dynamic sampling (DAPO)
 
@@ -452,6 +454,19 @@ class MultiTurnGRPOConfig(GRPOConfig):
     advantage_eps: float = field(
         default=1e-6, metadata={"help": "Epsilon in (r - mean_G) / (std_G + eps), as VeRL."}
     )
+    greedy_baseline: bool = field(
+        default=False,
+        metadata={
+            "help": "Decode the first of each group's num_generations rollouts greedily and use its reward as the "
+            "baseline of the other G - 1 (ReMax, self-critical sequence training): A_i = (r_i - r_greedy) / "
+            "(std_G + eps), std over all G rewards under scale_rewards='group'. The greedy rollout is not trained "
+            "(loss mask 0; it still counts in dynamic sampling's reward variance). A group whose samples all succeed "
+            "where the greedy decode fails then carries signal, so a policy evaluated greedily is paid for its "
+            "greedy mistakes. Logged: rollout/greedy_reward, rollout/sampled_reward, "
+            "rollout/greedy_below_samples_frac. Needs num_generations >= 2, turn_advantage='trajectory', "
+            "turn_layout='sequence' and the Transformers generator (use_vllm=False)."
+        },
+    )
 
     balance_micro_batches: bool = field(
         default=True,
@@ -608,6 +623,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"turn_advantage={self.turn_advantage!r} is not supported; choose one of {list(VALID_TURN_ADVANTAGES)}."
             )
         self._check_turn_layout()
+        self._check_greedy_baseline()
         if self.rollout_max_batch_size is not None:
             if self.rollout_max_batch_size < 1:
                 raise ValueError(f"rollout_max_batch_size must be >= 1 or None; got {self.rollout_max_batch_size}.")
@@ -681,6 +697,22 @@ class MultiTurnGRPOConfig(GRPOConfig):
             )
         check_trl_fields(self)
         check_policy(self)  # after TrainingArguments resolved activation_checkpointing / gradient_checkpointing
+
+    def _check_greedy_baseline(self) -> None:
+        """Refuse what ``greedy_baseline`` cannot honour, naming the setting to change."""
+        if not self.greedy_baseline:
+            return
+        problems = [
+            (self.num_generations is not None and self.num_generations < 2,
+             f"num_generations={self.num_generations} leaves no sampled rollout next to the greedy one; use >= 2"),
+            (self.turn_advantage != "trajectory",
+             f"turn_advantage={self.turn_advantage!r}: the greedy baseline is a trajectory-level one; use 'trajectory'"),
+            (self.turn_layout != "sequence", f"turn_layout={self.turn_layout!r}: use 'sequence'"),
+            (self.use_vllm, "use_vllm=True samples every row of a batch alike; use the Transformers generator"),
+        ]
+        found = [text for bad, text in problems if bad]
+        if found:
+            raise ValueError(f"greedy_baseline=True cannot be honoured: {'; '.join(found)} (or set greedy_baseline=False).")
 
     def _check_turn_layout(self) -> None:
         """Refuse what the per-turn layout cannot honour, and context policies without it."""

@@ -84,6 +84,29 @@ def fix_termination_metrics(metrics: dict, truncated: torch.Tensor, lengths: tor
             metrics[f"completions/{key}_terminated_length"][-1] = value.item()
 
 
+def log_advantages(metrics: dict, dropped: torch.Tensor, rewards: torch.Tensor, loss_tokens: int,
+                   greedy_group_size: int | None) -> None:
+    """After the advantages of a gathered rollout: the dropped share, whether the update is skipped, and with
+    ``greedy_baseline`` (``greedy_group_size`` = G) :func:`log_greedy_baseline`."""
+    metrics["rollout/dropped_frac"].append(float(dropped.float().mean()))
+    metrics["rollout/skipped_update"].append(float(loss_tokens == 0))
+    if greedy_group_size is not None:
+        log_greedy_baseline(metrics, rewards, greedy_group_size)
+
+
+def log_greedy_baseline(metrics: dict, rewards: torch.Tensor, group_size: int) -> None:
+    """``greedy_baseline``: the mean reward of the groups' greedy members and of their sampled ones (the gathered
+    rollout's (B,) rewards, NaN where dropped), and the share of groups whose greedy decode earned less than its
+    samples' mean (the groups that push the policy towards what its samples do)."""
+    grouped = rewards.detach().float().cpu().view(-1, group_size)  # (B/G, G), member 0 greedy
+    greedy, sampled = grouped[:, 0], grouped[:, 1:].nanmean(dim=1)  # (B/G,), (B/G,)
+    metrics["rollout/greedy_reward"].append(float(greedy.nanmean()))
+    metrics["rollout/sampled_reward"].append(float(grouped[:, 1:].nanmean()))
+    both = torch.isfinite(greedy) & torch.isfinite(sampled)  # (B/G,)
+    metrics["rollout/greedy_below_samples_frac"].append(float((greedy[both] < sampled[both]).float().mean())
+                                                       if bool(both.any()) else float("nan"))
+
+
 def log_rollout_speed(metrics: dict, stats: dict) -> None:
     """``perf/`` metrics of this process's last rollout (``MultiTurnRollout.last_stats``)."""
     if not stats:

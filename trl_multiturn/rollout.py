@@ -55,6 +55,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -206,6 +207,17 @@ class _Run:
     env_blocked_s: float = 0.0
     generation_s: float = 0.0
     histories: list[list[dict]] = field(default_factory=list)  # per trajectory, per-turn layout only
+    greedy: list[bool] = field(default_factory=list)  # per trajectory: decoded greedily
+
+
+def _sessions(generator, st: _Run) -> list:
+    """One generation session per trajectory, seeds drawn in trajectory order (a greedy row draws its seed too, so
+    the sampled rows' streams do not depend on which rows are greedy), greedy rows flagged."""
+    sessions = [generator.new_session() for _ in st.trajs]
+    for session, greedy in zip(sessions, st.greedy):
+        if greedy:
+            session.greedy = True
+    return sessions
 
 
 class MultiTurnRollout:
@@ -251,9 +263,24 @@ class MultiTurnRollout:
         )
 
     # ------------------------------------------------------------------ entry point
-    def run(self, examples: list[dict], generator, sampling: SamplingParams) -> list[Trajectory]:
-        """Roll out one trajectory per row of ``examples`` with ``generator`` (a generation backend)."""
+    def run(self, examples: list[dict], generator, sampling: SamplingParams,
+            greedy: Sequence[bool] | None = None) -> list[Trajectory]:
+        """Roll out one trajectory per row of ``examples`` with ``generator`` (a generation backend).
+
+        ``greedy[i]`` (optional): row i takes the argmax token at every step while the others sample (a greedy member
+        of a group, ``MultiTurnGRPOConfig.greedy_baseline``); its trajectory is marked ``info["greedy"]``. Needs a
+        generator with per-trajectory sessions (the Transformers generator); the sampled rows draw exactly what they
+        would draw without it.
+        """
         cfg, tok, protocol = self.config, self.tokenizer, self.protocol
+        greedy = [bool(g) for g in greedy] if greedy is not None else [False] * len(examples)
+        if len(greedy) != len(examples):
+            raise ValueError(f"greedy has {len(greedy)} flags for {len(examples)} examples; give one per example.")
+        if any(greedy) and not callable(getattr(generator, "new_session", None)):
+            raise ValueError(
+                f"greedy rows need a generator with per-trajectory sessions; {type(generator).__name__} samples every "
+                "row with one setting. Use the Transformers generator (use_vllm=False) or greedy_baseline=False."
+            )
         sampling = SamplingParams(**{**sampling.__dict__, "stop_strings": tuple(protocol.stop_strings)})
         wall0 = time.perf_counter()
         envs = [self.env_factory() for _ in examples]
@@ -299,6 +326,10 @@ class MultiTurnRollout:
             st.done.append(False)
             st.histories.append(prompt_messages(prompt) if cfg.turn_layout == "per_turn" else [])
 
+        for t, g in zip(st.trajs, greedy):
+            if g:
+                t.info["greedy"] = True
+        st.greedy = greedy
         if getattr(generator, "supports_streaming", False) and callable(getattr(generator, "submit", None)):
             self._run_streaming(st, generator, sampling)
         else:
@@ -449,7 +480,7 @@ class MultiTurnRollout:
         """Independent trajectories: generation steps token by token in this thread; finished turns' environment
         steps run in the pool meanwhile; a trajectory rejoins generation as soon as its observation is appended."""
         cfg = self.config
-        sessions = [generator.new_session() for _ in st.trajs]  # seeds drawn in trajectory order
+        sessions = _sessions(generator, st)  # seeds drawn in trajectory order
         pending: dict[Future, tuple[int, Action]] = {}
 
         def start_turn(i: int) -> None:
@@ -501,7 +532,10 @@ class MultiTurnRollout:
         params = inspect.signature(generator.generate).parameters
         sessions = None
         if "sessions" in params and callable(getattr(generator, "new_session", None)):
-            sessions = [generator.new_session() for _ in st.trajs]
+            sessions = _sessions(generator, st)
+        elif any(st.greedy):
+            raise ValueError(f"greedy rows need a generator whose generate takes sessions; {type(generator).__name__} "
+                             "does not.")
         for _turn in range(cfg.max_turns):
             runnable: list[tuple[int, list[int], int]] = []  # (trajectory, context ids, token budget)
             for i, d in enumerate(st.done):

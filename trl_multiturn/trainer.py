@@ -41,7 +41,7 @@ from trl.trainer.utils import split_tensor_dict
 
 from . import metrics
 from .activation_checkpointing import suspends_checkpointing
-from .advantages import rollout_advantages
+from .advantages import greedy_rows, rollout_advantages
 from .batching import attach_normalizers, balanced_micro_batches, chunk_normalizers, chunk_tokens, shuffle_groups
 from .checkpointing import AtomicCheckpointMixin
 from .checks import (
@@ -56,7 +56,7 @@ from .context import context_policy
 from .protocols import Protocol
 from .rollout import MultiTurnRollout, RolloutConfig
 from .scoring import LayoutScorer, reference_model
-from .trajectory import Trajectory, completion_tensors
+from .trajectory import Trajectory, completion_tensors, rollout_fields
 from .turn_rows import TurnRowRegistry, trajectory_mini_batches
 
 logger = logging.getLogger(__name__)
@@ -148,19 +148,22 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         return sampling_params_from_config(self.args)
 
     def _run_rollout(self, inputs: list[dict]) -> list[Trajectory]:
-        """Roll out one trajectory per input row with the current policy (eval mode, no gradients).
+        """Roll out one trajectory per input row with the current policy (eval mode, no gradients); in training with
+        ``greedy_baseline``, each group's first row decodes greedily.
 
         With ``use_vllm`` the turns are sampled by TRL's vLLM engine through :class:`VLLMGenerator`, which makes
         ``max_turns`` calls on every rank (the collective-call rule). The engine gets the current weights first:
         TRL syncs them inside ``rollout_func``, which this trainer calls after the rollout.
         """
+        start, on = self.accelerator.process_index * len(inputs), self.model.training and self.args.greedy_baseline
+        greedy = {"greedy": greedy_rows(len(inputs), start, self.num_generations)} if on else {}  # else run() as before
         if self.use_vllm:
             if self.state.global_step != self._last_loaded_step:
                 self.vllm_generation.sync_weights()
                 self._last_loaded_step = self.state.global_step
             if self._vllm_generator is None:
                 self._vllm_generator = VLLMGenerator.from_trl(self.vllm_generation, self._tokenizer)
-            return self.rollout.run(inputs, self._vllm_generator, self._sampling_params())
+            return self.rollout.run(inputs, self._vllm_generator, self._sampling_params(), **greedy)
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
             gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
@@ -170,7 +173,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             try:
                 generator = TransformersGenerator(unwrapped, self._tokenizer, generator=self._sampling_generator,
                                                  max_batch_size=self.args.rollout_max_batch_size)
-                return self.rollout.run(inputs, generator, self._sampling_params())
+                return self.rollout.run(inputs, generator, self._sampling_params(), **greedy)
             finally:
                 unwrapped.train(was_training)
 
@@ -179,14 +182,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         trajs = self._pending_trajectories
         if trajs is None or len(trajs) != len(prompts):
             raise RuntimeError("internal: trajectories were not prepared for this batch")
-        return {
-            "prompt_ids": [t.prompt_ids for t in trajs], "completion_ids": [t.completion_ids for t in trajs],
-            "logprobs": [t.logprobs for t in trajs], "env_mask": [t.action_mask for t in trajs],
-            "env_reward": [float("nan") if t.info.get("failed") else float(sum(t.turn_rewards)) for t in trajs],
-            "num_turns": [t.num_turns for t in trajs], "turn_rewards": [list(t.turn_rewards) for t in trajs],
-            "truncated": [t.truncated for t in trajs], "final_answer": [t.info.get("final_answer") for t in trajs],
-            "stop_reason": [t.info.get("stop_reason") for t in trajs],
-        }
+        return rollout_fields(trajs)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -235,7 +231,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                         action_mask=mask, gamma=args.turn_advantage_gamma, turn_weight=args.turn_advantage_weight)
         result = rollout_advantages(
             rpf, self.reward_weights, failed, self.num_generations if mode == "train" else self.num_generations_eval,
-            mode=args.turn_advantage, scale=args.scale_rewards, eps=args.advantage_eps, **turn)
+            mode=args.turn_advantage, scale=args.scale_rewards, eps=args.advantage_eps,
+            greedy_baseline=mode == "train" and args.greedy_baseline, **turn)
         start = acc.process_index * len(trajs)
         local = slice(start, start + len(trajs))
         metrics.warn_dropped(trajs, result.dropped, rpf[local], list(self.reward_func_names), start,
@@ -245,8 +242,9 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         self._last_rewards = result.rewards  # (B_global,) NaN where dropped; read by dynamic sampling
         output["advantages"] = result.advantages[local].to(acc.device)  # (B_local,) or (B_local, C)
         excluded = result.dropped[local].to(acc.device).clone()  # (B_local,)
-        if self._mask_truncated:  # mask_truncated_completions: trajectories cut by a limit carry no loss
-            excluded |= torch.tensor([t.truncated for t in trajs], device=excluded.device)
+        # greedy baselines, and with mask_truncated_completions trajectories cut by a limit, carry no loss
+        excluded |= torch.tensor([bool(t.info.get("greedy")) or (self._mask_truncated and t.truncated) for t in trajs],
+                                 device=excluded.device)
         if excluded.any():
             output["tool_mask"] = output["tool_mask"] * (~excluded).long().unsqueeze(1)  # (B_local, C)
         loss_mask = output["completion_mask"] * output["tool_mask"]  # (B_local, C)
@@ -257,8 +255,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             logger.warning("No trajectory of this rollout carries loss (dropped, or masked by mask_truncated_"
                            "completions, or without a sampled token): this step's optimizer update is skipped.")
         metrics.rewrite_trained_advantages(self._logs["advantages"], output["advantages"], loss_mask, acc)
-        self._metrics[mode]["rollout/dropped_frac"].append(float(result.dropped.float().mean()))
-        self._metrics[mode]["rollout/skipped_update"].append(float(loss_tokens == 0))
+        metrics.log_advantages(self._metrics[mode], result.dropped, result.rewards, loss_tokens,
+                               self.num_generations if mode == "train" and args.greedy_baseline else None)
 
     # ------------------------------------------------------------------ batching
     @suspends_checkpointing  # rollouts and pi_old run without it; on again as configured (every_n_layers, policy)

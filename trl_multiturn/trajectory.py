@@ -163,3 +163,17 @@ def completion_tensors(turn_ids: Sequence[Sequence[int]], action_masks: Sequence
         turns[b, : len(tid)] = torch.tensor(tid, dtype=torch.long)
         mask[b, : len(m)] = torch.tensor(m, dtype=torch.long)
     return turns, mask
+
+
+def rollout_fields(trajs: Sequence[Trajectory]) -> dict[str, list]:
+    """What TRL's ``rollout_func`` returns for ``trajs``: the ids, the sampler's log-probs, the action mask as
+    ``env_mask``, and the fields reward functions receive as keyword arguments (``env_reward`` NaN where the
+    environment failed, ``num_turns``, ``turn_rewards``, ``truncated``, ``final_answer``, ``stop_reason``)."""
+    return {
+        "prompt_ids": [t.prompt_ids for t in trajs], "completion_ids": [t.completion_ids for t in trajs],
+        "logprobs": [t.logprobs for t in trajs], "env_mask": [t.action_mask for t in trajs],
+        "env_reward": [float("nan") if t.info.get("failed") else float(sum(t.turn_rewards)) for t in trajs],
+        "num_turns": [t.num_turns for t in trajs], "turn_rewards": [list(t.turn_rewards) for t in trajs],
+        "truncated": [t.truncated for t in trajs], "final_answer": [t.info.get("final_answer") for t in trajs],
+        "stop_reason": [t.info.get("stop_reason") for t in trajs],
+    }

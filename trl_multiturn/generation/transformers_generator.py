@@ -26,13 +26,17 @@ class GenerationSession:
         cached_ids: the ids whose K/V are held in ``kv``, in order (a prefix of the trajectory's ids).
         kv: per layer ``(keys, values)``, each (1, H_kv, len(cached_ids), D); ``None`` when nothing is cached.
         seed: seed of this trajectory's sampling stream.
+        greedy: this trajectory takes the argmax token at every step whatever the sampling settings (a greedy
+            member of a sampled group, ``MultiTurnGRPOConfig.greedy_baseline``); its log-probs are still those of
+            ``log_softmax(logits / temperature)``, the distribution the trainer scores.
     """
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, greedy: bool = False):
         self.cached_ids: list[int] = []
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.seed = seed
         self.rng: torch.Generator | None = None
+        self.greedy = greedy
 
     def drop(self) -> None:
         """Forget the cached K/V (the next turn prefills the whole context). The sampling stream is kept."""
@@ -86,6 +90,14 @@ class _Batch:
     def fit_width(self) -> None:
         """Show the model the columns of the longest live row only (a view: nothing is copied)."""
         self.kv.start = self.kv.end - max(r.length for r in self.rows)
+
+
+def _argmax_where_greedy(next_ids: torch.Tensor, scaled: torch.Tensor, greedy: list[bool]) -> torch.Tensor:
+    """``next_ids`` (A,) with the argmax of ``scaled`` (A, V) on the rows whose session is greedy."""
+    if not any(greedy):
+        return next_ids
+    mask = torch.tensor(greedy, dtype=torch.bool, device=next_ids.device)  # (A,)
+    return torch.where(mask, scaled.argmax(dim=-1).to(next_ids.device), next_ids)  # (A,)
 
 
 def _timed(key: str):
@@ -579,6 +591,7 @@ class TransformersGenerator:
                               for r in batch.rows], dtype=torch.float64, device=cdf.device)  # (A,)
             u = (u * cdf[:, -1]).unsqueeze(-1)  # (A, 1)
             next_ids = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # (A,)
+            next_ids = _argmax_where_greedy(next_ids, scaled, [r.session.greedy for r in batch.rows])  # (A,)
         chosen = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)  # (A,)
         return next_ids, chosen
 
@@ -599,6 +612,7 @@ class TransformersGenerator:
             return outputs
         device = next(self.model.parameters()).device
         stop = _StopChecker(self.tokenizer, self.eos_token_ids, tuple(params.stop_strings))
+        greedy_rows = [bool(sessions is not None and sessions[i] is not None and sessions[i].greedy) for i in active]
 
         # Left-pad the active contexts: (A, L)
         width = max(len(contexts[i]) for i in active)
@@ -633,6 +647,7 @@ class TransformersGenerator:
             else:
                 probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p, params.min_p), dim=-1)  # (A, V)
                 next_ids = torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(-1).to(device)  # (A,)
+                next_ids = _argmax_where_greedy(next_ids, scaled, greedy_rows)  # (A,)
             chosen_logp = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)  # (A,)
             step_ids, step_logps = next_ids.tolist(), chosen_logp.tolist()  # one device sync per step, not per row
             for row, i in enumerate(active):
