@@ -55,6 +55,8 @@ RUNS = (
      "2.5e-5", "outcome2x32_seed{seed}_step2_vs_warm_start.json", (0, 1)),
     ("three-on-policy-steps-of-32-groups", "exact match alone, three on-policy steps", "3 x 32", "2.5e-5",
      "outcome3x32_seed{seed}_step3_vs_warm_start.json", (0, 1)),
+    ("a-kl-anchor-to-the-warm-start-three-steps-of-32-groups", "the same + KL anchor to the warm start (beta 0.1)",
+     "3 x 32", "2.5e-5", "kl3x32_seed{seed}_step3_vs_warm_start.json", (0, 1)),
 )
 SUBSETS = ("all", "hops_1", "hops_2")
 
