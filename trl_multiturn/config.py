@@ -712,7 +712,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
         ]
         found = [text for bad, text in problems if bad]
         if found:
-            raise ValueError(f"greedy_baseline=True cannot be honoured: {'; '.join(found)} (or set greedy_baseline=False).")
+            raise ValueError(
+                f"greedy_baseline=True cannot be honoured: {'; '.join(found)} (or set greedy_baseline=False).")
 
     def _check_turn_layout(self) -> None:
         """Refuse what the per-turn layout cannot honour, and context policies without it."""

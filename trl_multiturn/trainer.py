@@ -156,7 +156,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         TRL syncs them inside ``rollout_func``, which this trainer calls after the rollout.
         """
         start, on = self.accelerator.process_index * len(inputs), self.model.training and self.args.greedy_baseline
-        greedy = {"greedy": greedy_rows(len(inputs), start, self.num_generations)} if on else {}  # else run() as before
+        greedy = {"greedy": greedy_rows(len(inputs), start, self.num_generations)} if on else {}  # off: the old call
         if self.use_vllm:
             if self.state.global_step != self._last_loaded_step:
                 self.vllm_generation.sync_weights()

@@ -31,12 +31,12 @@ class GenerationSession:
             ``log_softmax(logits / temperature)``, the distribution the trainer scores.
     """
 
-    def __init__(self, seed: int | None = None, greedy: bool = False):
+    def __init__(self, seed: int | None = None):
         self.cached_ids: list[int] = []
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.seed = seed
         self.rng: torch.Generator | None = None
-        self.greedy = greedy
+        self.greedy = False  # set by the rollout for a group's greedy member
 
     def drop(self) -> None:
         """Forget the cached K/V (the next turn prefills the whole context). The sampling stream is kept."""
