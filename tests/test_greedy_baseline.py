@@ -154,6 +154,33 @@ def test_trainer_decodes_one_greedy_member_per_group_and_trains_only_the_samples
     assert all(g > 0 for g in logged(trainer, "grad_norm"))
 
 
+def test_greedy_rows_are_not_computed_in_training_and_the_step_is_unchanged(tmp_path, smollm2_tokenizer,
+                                                                            tiny_model_factory, monkeypatch):
+    """The greedy members carry no loss, so the training micro-batches leave them out (1/G of the training forward
+    and backward saved): the same seed gives the same losses and gradient norms as computing them."""
+    import functools
+
+    import trl_multiturn.trainer as trainer_module
+
+    runs = {}
+    for skip in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(trainer_module, "balanced_micro_batches", functools.partial(
+                trainer_module.balanced_micro_batches, skip_rows_without_loss=skip))
+            trainer = MultiTurnGRPOTrainer(
+                model=tiny_model_factory(), args=make_args(tmp_path / str(skip), greedy_baseline=True, temperature=0.7),
+                train_dataset=dataset(), environment_factory=FeedbackEnv, reward_funcs=[vowel_reward],
+                processing_class=smollm2_tokenizer,
+            )
+            trainer.train()
+        rows = sum(len(c["prompt_ids"]) for c in trainer._buffered_inputs if not c.get("empty_micro_batch"))
+        runs[skip] = (trainer, rows)
+    assert runs[True][1] == 6 and runs[False][1] == 8  # two groups of 4: the two greedy rows are not computed
+    for key in ("loss/pg_loss", "grad_norm", "reward", "rollout/greedy_reward"):
+        assert logged(runs[True][0], key) == pytest.approx(logged(runs[False][0], key), abs=1e-6, rel=1e-5), key
+    assert len(logged(runs[True][0], "grad_norm")) == 2
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"num_generations": 1, "prompts_per_rollout": 2, "mini_batch_size": 2, "micro_batch_size": 2},
      "num_generations=1 leaves no sampled rollout"),

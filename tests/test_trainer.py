@@ -887,3 +887,35 @@ def test_rollout_merge_adapter_samples_the_same_policy_and_leaves_the_base_alone
 def test_rollout_merge_adapter_is_refused_where_it_cannot_apply(tmp_path):
     with pytest.raises(ValueError, match=r"rollout_merge_adapter=True .* use_vllm=True"):
         make_args(tmp_path, rollout_merge_adapter=True, use_vllm=True)
+
+
+@pytest.mark.parametrize("budget, share", [(None, False), (None, True), (200, True), (200, False)])
+def test_rows_without_loss_go_into_no_micro_batch_and_the_normalizers_stay(budget, share):
+    """Rows whose loss mask is all 0 (a greedy baseline's member, a dropped trajectory) are not computed: they are in
+    no micro-batch, each mini-batch keeps its ``accum`` slots (empty ones where rows ran out), and the mini-batch
+    normalizers are those of the plan that computes every row."""
+    from trl_multiturn.batching import balanced_micro_batches, chunk_normalizers
+
+    groups = [(30, [20, 3, 19, 2]), (25, [21, 4, 18, 1]), (28, [9, 12, 7, 5]), (31, [6, 8, 10, 11])]
+    ids, mask, c_w = _group_batch(groups, pad_id=0, seed=3)
+    tool_mask = mask[:, -c_w:].clone()
+    no_loss = [0, 4, 8, 12, 13, 14, 15]  # each group's first member, and all of the fourth group
+    tool_mask[no_loss] = 0
+    batch = {"prompt_ids": ids[:, :-c_w], "prompt_mask": mask[:, :-c_w], "completion_ids": ids[:, -c_w:],
+             "completion_mask": mask[:, -c_w:], "tool_mask": tool_mask, "advantages": torch.arange(16.0)}
+    steps, accum = 4, 2  # two mini-batches of 8 rows; the second keeps 3 rows with loss
+    plans = {skip: balanced_micro_batches(batch, steps, accum, budget, share, skip_rows_without_loss=skip)
+             for skip in (False, True)}
+    assert len(plans[True]) == len(plans[False]) == steps
+    computed = [int(r) for c in plans[True] if not c.get("empty_micro_batch") for r in c["advantages"]]
+    assert sorted(computed) == [r for r in range(16) if r not in no_loss]
+    every = [int(r) for c in plans[False] if not c.get("empty_micro_batch") for r in c["advantages"]]
+    assert sorted(every) == list(range(16))
+    # per mini-batch, (sequences, tokens) that carry loss: rows 1-3, 5-7 (3+19+2+4+18+1) and rows 9-11 (12+7+5)
+    expected = torch.tensor([[6.0, 47.0], [3.0, 24.0]], dtype=torch.float64)
+    for plan in plans.values():
+        torch.testing.assert_close(chunk_normalizers(plan).view(steps // accum, accum, 2).sum(1), expected)
+    tool_mask[8:] = 0  # a mini-batch without a loss token: accum empty micro-batches
+    plan = balanced_micro_batches(batch, steps, accum, budget, share)
+    assert len(plan) == steps and all(c.get("empty_micro_batch") for c in plan[2:])
+    assert not plan[0].get("empty_micro_batch")  # a budget may leave the mini-batch's second slot empty

@@ -539,7 +539,8 @@ def _cheapest_cut(order, cost, floor, budget) -> list[list[int]]:
 
 def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int | None = None,
                             share_prefix: bool = False, mini_batches: list[list[int]] | None = None,
-                            owner: list[int] | None = None, min_shared: int | None = None) -> list[dict]:
+                            owner: list[int] | None = None, min_shared: int | None = None,
+                            skip_rows_without_loss: bool = True) -> list[dict]:
     """Cut the rollout into ``steps`` micro-batches: consecutive mini-batches of equal size (whole groups kept by the
     shuffle), each dealt into ``accum`` micro-batches of balanced token counts and trimmed to their own padding.
 
@@ -560,6 +561,14 @@ def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int 
     None: ``steps // accum`` equal consecutive slices. ``owner`` (per-turn layout, with ``share_prefix``): the
     trajectory of each row; micro-batches of whole trajectories replace the rows dealt one by one when the prefix-tree
     forward (``min_shared``, or prompts only with None) computes fewer tokens for them (:func:`_per_turn_parts`).
+
+    ``skip_rows_without_loss``: rows whose loss mask (``completion_mask * tool_mask``) is all 0 (a greedy baseline's
+    decode, a trajectory dropped by a failed reward or environment, one cut by a limit under
+    ``mask_truncated_completions``, dynamic sampling's filler groups) go into no micro-batch. Such a row counts in no
+    normalizer and adds exactly 0 to the loss and its gradient (rows of a forward do not attend to each other), so
+    the mini-batch's loss is unchanged and its forward and backward are not computed; a mini-batch left with fewer
+    rows than ``accum`` fills its remaining slots with empty micro-batches. False: every row is computed (the
+    layout before this option, kept for the equivalence test).
     """
     n = batch["prompt_ids"].size(0)
     if mini_batches is None:
@@ -571,26 +580,33 @@ def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int 
         raise ValueError(f"internal: {len(mini_batches)} mini-batches x {accum} accumulation steps != {steps}")
     prompt_len = batch["prompt_mask"].sum(1)  # (B,)
     completion_len = batch["completion_mask"].sum(1)  # (B,)
+    carries_loss = (batch["completion_mask"] * batch["tool_mask"]).sum(1) > 0  # (B,)
     chunks = []
-    for rows in mini_batches:
-        start, per_mini = rows[0], len(rows)
+    for all_rows in mini_batches:
+        rows = [r for r in all_rows if carries_loss[r]] if skip_rows_without_loss else all_rows
+        if not rows:  # nothing in this mini-batch carries loss: keep its accumulation slots, compute ~nothing
+            shortest = min(all_rows, key=lambda r: (int(completion_len[r]) == 0, int(prompt_len[r] + completion_len[r])))
+            chunks.extend(_empty_micro_batch(batch, shortest, n) for _ in range(accum))
+            continue
+        per_mini, slots = len(rows), min(accum, len(rows))
+        index_t = torch.tensor(rows, dtype=torch.long, device=batch["prompt_ids"].device)
         lengths = [int(prompt_len[r] + completion_len[r]) for r in rows]
         if max_tokens and share_prefix:
-            keys = prompt_keys(batch["prompt_ids"][rows[0] : rows[-1] + 1], batch["prompt_mask"][rows[0] : rows[-1] + 1])
+            keys = prompt_keys(batch["prompt_ids"][index_t], batch["prompt_mask"][index_t])
             p_len, c_len = [int(prompt_len[r]) for r in rows], [int(completion_len[r]) for r in rows]
             parts = _shared_budget_parts(keys, p_len, c_len, max_tokens, accum)
         else:
             parts = _token_budget_parts(lengths, max_tokens, accum) if max_tokens else None
         over_budget = bool(max_tokens) and parts is None
         if parts is None:
-            parts = balanced_partition(lengths, accum)
+            parts = balanced_partition(lengths, slots)
             if share_prefix and not max_tokens:
                 # groups are contiguous (shuffled whole): equal consecutive slices keep a group's rows together, and
                 # the shared-prompt forward computes their prompt once and no padding; keep the cheaper plan
-                keys = prompt_keys(batch["prompt_ids"][start : start + per_mini], batch["prompt_mask"][start : start + per_mini])
+                keys = prompt_keys(batch["prompt_ids"][index_t], batch["prompt_mask"][index_t])
                 p_len, c_len = [int(prompt_len[r]) for r in rows], [int(completion_len[r]) for r in rows]
-                size = per_mini // accum
-                slices = [list(range(k * size, (k + 1) * size)) for k in range(accum)] if per_mini % accum == 0 else None
+                size = per_mini // slots
+                slices = [list(range(k * size, (k + 1) * size)) for k in range(slots)] if per_mini % slots == 0 else None
                 cost = lambda plan: sum(_shared_cost(keys, p_len, c_len, part) for part in plan if part)  # noqa: E731
                 if slices is not None and cost(slices) < cost(parts):
                     parts = slices

@@ -474,7 +474,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
             "help": "Within each mini-batch, sort trajectories by length and cut them into the gradient-accumulation "
             "micro-batches with balanced padded sizes, each padded only to its own longest row (like VeRL's "
             "use_dynamic_bsz with a fixed micro-batch count). The loss is unchanged (mini-batch-global "
-            "normalizers); less padding is computed."
+            "normalizers); less padding is computed. Rows that carry no loss token (a greedy baseline's member, dropped "
+            "trajectories, dynamic sampling's filler groups) are left out of the micro-batches: not computed."
         },
     )
 
