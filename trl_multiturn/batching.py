@@ -585,7 +585,8 @@ def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int 
     for all_rows in mini_batches:
         rows = [r for r in all_rows if carries_loss[r]] if skip_rows_without_loss else all_rows
         if not rows:  # nothing in this mini-batch carries loss: keep its accumulation slots, compute ~nothing
-            shortest = min(all_rows, key=lambda r: (int(completion_len[r]) == 0, int(prompt_len[r] + completion_len[r])))
+            shortest = min(all_rows, key=lambda r: (int(completion_len[r]) == 0,
+                                                    int(prompt_len[r] + completion_len[r])))
             chunks.extend(_empty_micro_batch(batch, shortest, n) for _ in range(accum))
             continue
         per_mini, slots = len(rows), min(accum, len(rows))
@@ -606,7 +607,8 @@ def balanced_micro_batches(batch: dict, steps: int, accum: int, max_tokens: int 
                 keys = prompt_keys(batch["prompt_ids"][index_t], batch["prompt_mask"][index_t])
                 p_len, c_len = [int(prompt_len[r]) for r in rows], [int(completion_len[r]) for r in rows]
                 size = per_mini // slots
-                slices = [list(range(k * size, (k + 1) * size)) for k in range(slots)] if per_mini % slots == 0 else None
+                slices = ([list(range(k * size, (k + 1) * size)) for k in range(slots)]
+                          if per_mini % slots == 0 else None)
                 cost = lambda plan: sum(_shared_cost(keys, p_len, c_len, part) for part in plan if part)  # noqa: E731
                 if slices is not None and cost(slices) < cost(parts):
                     parts = slices
