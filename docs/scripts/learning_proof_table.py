@@ -57,6 +57,8 @@ RUNS = (
      "outcome3x32_seed{seed}_step3_vs_warm_start.json", (0, 1)),
     ("a-kl-anchor-to-the-warm-start-three-steps-of-32-groups", "the same + KL anchor to the warm start (beta 0.1)",
      "3 x 32", "2.5e-5", "kl3x32_seed{seed}_step3_vs_warm_start.json", (0, 1)),
+    ("a-greedy-baseline-three-steps-of-32-groups", "the same with a greedy baseline (ReMax), no KL", "3 x 32",
+     "2.5e-5", "greedy3x32_seed{seed}_step3_vs_warm_start.json", (0, 1)),
 )
 SUBSETS = ("all", "hops_1", "hops_2")
 
