@@ -348,6 +348,22 @@ def warm_start_enabled(args: SearchAgentArguments, model) -> bool:
     return args.warm_start == "on"
 
 
+def expert_dataset(script_args, train_rows, tokenizer, protocol, env_factory, training_args):
+    """With ``expert_loss_coef`` > 0, the warm start's expert trajectories (the first ``sft_num_examples`` training
+    questions, the same seed) as the GRPO stage's expert loss data; None otherwise."""
+    if training_args.expert_loss_coef == 0.0:
+        return None
+    from trl_multiturn.search import build_expert_trajectories
+    from trl_multiturn.sft import sft_dataset
+
+    experts, stats = build_expert_trajectories(train_rows[: script_args.sft_num_examples], env_factory=env_factory,
+                                               seed=training_args.seed)
+    print(f"[grpo] expert loss (coef {training_args.expert_loss_coef}) on {stats['kept']} expert trajectories",
+          flush=True)
+    trajectories = warm_start_trajectories(experts, tokenizer, protocol, env_factory, training_args)
+    return sft_dataset(trajectories, turn_layout=training_args.turn_layout)
+
+
 def warm_start_trajectories(experts, tokenizer, protocol, env_factory, training_args) -> list:
     """The expert episodes as token trajectories for the warm start, in the layout GRPO trains.
 
@@ -457,6 +473,7 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
         trainer = MultiTurnGRPOTrainer(
             model=model, reward_funcs=[exact_match_reward], args=training_args, train_dataset=train_ds,
             processing_class=tokenizer, environment_factory=env_factory, protocol=protocol, peft_config=peft_config,
+            expert_dataset=expert_dataset(script_args, train_rows, tokenizer, protocol, env_factory, training_args),
         )
         curve = HeldoutCurve(
             script_args.eval_every_steps,

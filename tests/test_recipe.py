@@ -101,6 +101,18 @@ def test_recipe_end_to_end_tiny_model(tmp_path, tiny_model_dir, capsys):
         assert len(records) == results[stage]["summary"]["all"]["n"]
 
 
+def test_recipe_adds_the_warm_start_experts_as_the_expert_loss(tmp_path, tiny_model_dir, capsys):
+    """``--expert_loss_coef`` in the GRPO stage: the warm start's expert trajectories are the expert loss's data."""
+    recipe = load_recipe()
+    out = tmp_path / "run"
+    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--warm_start", "off",
+                          "--eval_before", "false", "--use_peft", "true", *SMALL, "--expert_loss_coef", "0.2"])
+    recipe.main(*args)
+    assert "[grpo] expert loss (coef 0.2) on 8 expert trajectories" in capsys.readouterr().out
+    history = json.loads((out / "log_history.json").read_text())
+    assert [h["loss/expert_nll"] > 0 for h in history if "loss/expert_nll" in h] == [True]
+
+
 def test_recipe_trains_and_evaluates_per_turn_with_a_context_policy(tmp_path, tiny_model_dir, monkeypatch):
     """--turn_layout per_turn --keep_last_observations 1: the trainer and every evaluation roll out with the same
     context function (a policy is evaluated on the contexts it was trained on)."""

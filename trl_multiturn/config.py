@@ -289,6 +289,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
     advantage_eps (`float`, defaults to `1e-6`): epsilon in `(r - mean) / (std + eps)` (VeRL's value).
     greedy_baseline (`bool`, defaults to `False`): each group's first rollout is decoded greedily, not trained, and
         is the baseline of the others (ReMax / self-critical).
+    expert_loss_coef (`float`, defaults to `0.0`): weight of a teacher-forced NLL on expert trajectories added to the
+        GRPO loss (InstructGPT's PPO-ptx); needs the trainer's `expert_dataset`.
+    expert_micro_batch_size (`int`, defaults to `2`): expert examples per training micro-batch.
 
     > Parameters that control dynamic sampling (DAPO)
 
@@ -468,6 +471,20 @@ class MultiTurnGRPOConfig(GRPOConfig):
         },
     )
 
+    expert_loss_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Add c * L_expert to the GRPO loss, L_expert the teacher-forced negative log-likelihood of expert "
+            "trajectories on their action tokens (observation tokens masked, the warm start's loss), as InstructGPT's "
+            "PPO-ptx adds its pretraining loss: it holds behaviour that no group's reward variance pays for. Each "
+            "training micro-batch adds the token mean over expert_micro_batch_size examples of the trainer's "
+            "expert_dataset (trl_multiturn.sft.sft_dataset), divided by the accumulation steps. Logged: "
+            "loss/expert_nll. 0: off (an expert_dataset is then refused)."
+        },
+    )
+    expert_micro_batch_size: int = field(
+        default=2, metadata={"help": "Expert examples per training micro-batch when expert_loss_coef > 0."}
+    )
     balance_micro_batches: bool = field(
         default=True,
         metadata={
@@ -625,6 +642,10 @@ class MultiTurnGRPOConfig(GRPOConfig):
             )
         self._check_turn_layout()
         self._check_greedy_baseline()
+        if not self.expert_loss_coef >= 0.0:  # NaN too
+            raise ValueError(f"expert_loss_coef must be >= 0 (0 turns the expert loss off); got {self.expert_loss_coef}.")
+        if self.expert_micro_batch_size < 1:
+            raise ValueError(f"expert_micro_batch_size must be >= 1; got {self.expert_micro_batch_size}.")
         if self.rollout_max_batch_size is not None:
             if self.rollout_max_batch_size < 1:
                 raise ValueError(f"rollout_max_batch_size must be >= 1 or None; got {self.rollout_max_batch_size}.")

@@ -33,7 +33,6 @@ from typing import Any, Callable
 
 import torch
 from accelerate.utils import gather_object
-from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.distributed import DistributedBackend
 from trl.models.utils import unwrap_model_for_generation
@@ -43,6 +42,7 @@ from . import metrics
 from .activation_checkpointing import suspends_checkpointing
 from .advantages import greedy_rows, rollout_advantages
 from .batching import attach_normalizers, balanced_micro_batches, chunk_normalizers, chunk_tokens, shuffle_groups
+from .callbacks import SkipEmptyUpdate
 from .checkpointing import AtomicCheckpointMixin
 from .checks import (
     check_args, check_aux_loss, check_dynamic_sampling, check_protocol, check_sharded_generation,
@@ -50,6 +50,7 @@ from .checks import (
 )
 from .config import MultiTurnGRPOConfig
 from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_scored_rows, next_refill, refill_rows
+from .expert_loss import expert_loss_for
 from .generation import SamplingParams, TransformersGenerator, VLLMGenerator, merged_lora, sampling_params_from_config
 from .loss import grpo_loss, loss_normalizers, sampler_learner_gap
 from .context import context_policy
@@ -60,20 +61,6 @@ from .trajectory import Trajectory, completion_tensors, rollout_fields
 from .turn_rows import TurnRowRegistry, trajectory_mini_batches
 
 logger = logging.getLogger(__name__)
-
-
-class _SkipEmptyUpdate(TrainerCallback):
-    """Skips the optimizer update of a step whose rollout has no loss token on any rank: every trajectory dropped
-    (environment failures, non-finite rewards, skipped prompts) or masked (``mask_truncated_completions``). Its
-    gradient is zero, but Adam would still move the parameters with the moments of earlier steps; with the gradients
-    set to None the optimizer leaves parameters, moments and step count alone."""
-
-    def __init__(self, trainer: "MultiTurnGRPOTrainer"):
-        self.trainer = trainer
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.trainer._rollout_all_dropped:
-            self.trainer.optimizer.zero_grad(set_to_none=True)
 
 
 def _scorer_attribute(name: str) -> property:
@@ -97,6 +84,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         protocol: how actions and observations are written (default: the environment's ``protocol`` attribute, else
             ``TagProtocol()``; ``ChatToolProtocol()`` for TRL-style environments).
         peft_config, processing_class, callbacks, optimizers, reward_processing_classes: as ``GRPOTrainer``.
+        expert_dataset: expert trajectories (``trl_multiturn.sft.sft_dataset``) for ``expert_loss_coef`` > 0, whose
+            teacher-forced NLL is added to the GRPO loss (``trl_multiturn.expert_loss``); refused when the coef is 0.
     """
 
     _packing_checked = _scorer_attribute("packed")  # pack_sequences' verdict: None until checked
@@ -107,7 +96,8 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                  args: MultiTurnGRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None,
                  environment_factory: Callable[[], Any] | None = None, protocol: Protocol | None = None,
-                 context_fn: Callable[[list[dict]], list[dict]] | None = None):
+                 context_fn: Callable[[list[dict]], list[dict]] | None = None,
+                 expert_dataset=None):
         args = check_args(args)
         factory, protocol, self._environment_name = resolve_environment(
             environment_factory, protocol, args, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
@@ -138,10 +128,11 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             raise_on_env_error=args.raise_on_env_error, on_long_prompt=args.on_long_prompt, turn_layout=args.turn_layout,
             context_fn=context_policy(args, self._tokenizer, context_fn), turn_reward_gate=args.turn_reward_gate))
         self._turn_rows = TurnRowRegistry() if args.turn_layout == "per_turn" else None
-        self.add_callback(_SkipEmptyUpdate(self))
+        self.add_callback(SkipEmptyUpdate(self))
         # One sampling stream per rank: ranks holding members of one group would otherwise sample them identically
         self._sampling_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._vllm_generator: VLLMGenerator | None = None
+        self._expert_loss = expert_loss_for(self, expert_dataset)  # expert_loss_coef: c * L_expert, or None
 
     # ------------------------------------------------------------------ rollout
     def _sampling_params(self) -> SamplingParams:
@@ -249,7 +240,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             output["tool_mask"] = output["tool_mask"] * (~excluded).long().unsqueeze(1)  # (B_local, C)
         loss_mask = output["completion_mask"] * output["tool_mask"]  # (B_local, C)
         loss_tokens = int(acc.reduce(loss_mask.sum().to(acc.device), reduction="sum"))
-        if mode == "train":  # no loss token on any rank: the update is skipped (_SkipEmptyUpdate)
+        if mode == "train":  # no loss token on any rank: the update is skipped (SkipEmptyUpdate)
             self._rollout_all_dropped = loss_tokens == 0
         if loss_tokens == 0 and not bool(result.dropped.all()):
             logger.warning("No trajectory of this rollout carries loss (dropped, or masked by mask_truncated_"
@@ -395,4 +386,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if not global_norm:
             return loss  # evaluation: this process's own normalizers, so its own mean
         # DDP / DeepSpeed average gradients over ranks; the normalizers already span all ranks, so undo the average.
+        if self._expert_loss is not None:  # a per-rank mean: the ranks' average is the intended one
+            expert = self._expert_loss(model, self.state.global_step, self._metrics[mode])  # c * L_expert / accum
+            return loss * self.accelerator.num_processes + expert
         return loss * self.accelerator.num_processes
