@@ -348,19 +348,22 @@ def warm_start_enabled(args: SearchAgentArguments, model) -> bool:
     return args.warm_start == "on"
 
 
-def expert_dataset(script_args, train_rows, tokenizer, protocol, env_factory, training_args):
+def expert_dataset(script_args, train_rows, tokenizer, protocol, env_factory, training_args, trajectories=None):
     """With ``expert_loss_coef`` > 0, the warm start's expert trajectories (the first ``sft_num_examples`` training
-    questions, the same seed) as the GRPO stage's expert loss data; None otherwise."""
+    questions, the same seed; ``trajectories`` when the warm start of this run already built them) as the GRPO stage's
+    expert loss data; None otherwise."""
     if training_args.expert_loss_coef == 0.0:
         return None
-    from trl_multiturn.search import build_expert_trajectories
     from trl_multiturn.sft import sft_dataset
 
-    experts, stats = build_expert_trajectories(train_rows[: script_args.sft_num_examples], env_factory=env_factory,
+    if trajectories is None:
+        from trl_multiturn.search import build_expert_trajectories
+
+        experts, _ = build_expert_trajectories(train_rows[: script_args.sft_num_examples], env_factory=env_factory,
                                                seed=training_args.seed)
-    print(f"[grpo] expert loss (coef {training_args.expert_loss_coef}) on {stats['kept']} expert trajectories",
+        trajectories = warm_start_trajectories(experts, tokenizer, protocol, env_factory, training_args)
+    print(f"[grpo] expert loss (coef {training_args.expert_loss_coef}) on {len(trajectories)} expert trajectories",
           flush=True)
-    trajectories = warm_start_trajectories(experts, tokenizer, protocol, env_factory, training_args)
     return sft_dataset(trajectories, turn_layout=training_args.turn_layout)
 
 
@@ -425,6 +428,7 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
         evaluate("base", model, tokenizer, test_rows, env_factory, script_args, training_args, results, protocol)
         results["base"]["stage_seconds"] = time.perf_counter() - start
 
+    trajectories = None  # the warm start's expert trajectories, when this run makes the warm start
     if script_args.init_adapter:
         from peft import PeftModel
 
@@ -473,7 +477,8 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
         trainer = MultiTurnGRPOTrainer(
             model=model, reward_funcs=[exact_match_reward], args=training_args, train_dataset=train_ds,
             processing_class=tokenizer, environment_factory=env_factory, protocol=protocol, peft_config=peft_config,
-            expert_dataset=expert_dataset(script_args, train_rows, tokenizer, protocol, env_factory, training_args),
+            expert_dataset=expert_dataset(script_args, train_rows, tokenizer, protocol, env_factory, training_args,
+                                          trajectories),
         )
         curve = HeldoutCurve(
             script_args.eval_every_steps,

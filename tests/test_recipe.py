@@ -101,11 +101,12 @@ def test_recipe_end_to_end_tiny_model(tmp_path, tiny_model_dir, capsys):
         assert len(records) == results[stage]["summary"]["all"]["n"]
 
 
-def test_recipe_adds_the_warm_start_experts_as_the_expert_loss(tmp_path, tiny_model_dir, capsys):
+@pytest.mark.parametrize("warm_start", ["off", "on"])  # on: the warm start's own trajectories are reused
+def test_recipe_adds_the_warm_start_experts_as_the_expert_loss(tmp_path, tiny_model_dir, capsys, warm_start):
     """``--expert_loss_coef`` in the GRPO stage: the warm start's expert trajectories are the expert loss's data."""
     recipe = load_recipe()
     out = tmp_path / "run"
-    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--warm_start", "off",
+    args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--warm_start", warm_start,
                           "--eval_before", "false", "--use_peft", "true", *SMALL, "--expert_loss_coef", "0.2"])
     recipe.main(*args)
     assert "[grpo] expert loss (coef 0.2) on 8 expert trajectories" in capsys.readouterr().out
