@@ -70,7 +70,8 @@ class SearchAgentArguments:
     eval_sample_seed: int = field(default=0, metadata={"help": "Seed of the sampled trajectories of eval_num_samples (the same for every stage, as recipes/evaluate_search_agent.py --eval_seed)."})
     eval_before: bool = field(default=True, metadata={"help": "Evaluate the base model before training."})
     warm_start: str = field(default="auto", metadata={"help": "Multi-turn SFT on expert trajectories before GRPO: 'auto' (on below 1B parameters), 'on', 'off'."})
-    sft_num_examples: int = field(default=64, metadata={"help": "Expert trajectories used for the warm start."})
+    sft_num_examples: int = field(default=64, metadata={"help": "Expert trajectories used for the warm start (and for the expert loss, expert_loss_coef > 0)."})
+    expert_seed: int | None = field(default=None, metadata={"help": "Seed of the scripted expert (its wording and query choices) that builds the warm start's trajectories and the expert loss's (default: --seed). A GRPO run from --init_adapter with another --seed sets it to the warm start's seed, so that its expert loss uses the warm start's own trajectories."})
     sft_epochs: float = field(default=1.0, metadata={"help": "Epochs of the warm start."})
     sft_learning_rate: float = field(default=1e-3, metadata={"help": "Learning rate of the warm start."})
     sft_batch_size: int = field(default=1, metadata={"help": "Per-device batch size of the warm start (1: no padding, and on CPU the LM head scores exactly the supervised positions)."})
@@ -348,9 +349,14 @@ def warm_start_enabled(args: SearchAgentArguments, model) -> bool:
     return args.warm_start == "on"
 
 
+def expert_seed(script_args: SearchAgentArguments, training_args) -> int:
+    """The scripted expert's seed: ``--expert_seed``, else the run's ``--seed``."""
+    return training_args.seed if script_args.expert_seed is None else script_args.expert_seed
+
+
 def expert_dataset(script_args, train_rows, tokenizer, protocol, env_factory, training_args, trajectories=None):
     """With ``expert_loss_coef`` > 0, the warm start's expert trajectories (the first ``sft_num_examples`` training
-    questions, the same seed; ``trajectories`` when the warm start of this run already built them) as the GRPO stage's
+    questions, built with ``expert_seed``; ``trajectories`` when the warm start of this run already built them) as the GRPO stage's
     expert loss data; None otherwise."""
     if training_args.expert_loss_coef == 0.0:
         return None
@@ -360,7 +366,7 @@ def expert_dataset(script_args, train_rows, tokenizer, protocol, env_factory, tr
         from trl_multiturn.search import build_expert_trajectories
 
         experts, _ = build_expert_trajectories(train_rows[: script_args.sft_num_examples], env_factory=env_factory,
-                                               seed=training_args.seed)
+                                               seed=expert_seed(script_args, training_args))
         trajectories = warm_start_trajectories(experts, tokenizer, protocol, env_factory, training_args)
     print(f"[grpo] expert loss (coef {training_args.expert_loss_coef}) on {len(trajectories)} expert trajectories",
           flush=True)
@@ -442,7 +448,7 @@ def main(script_args: SearchAgentArguments, training_args: MultiTurnGRPOConfig, 
 
         start = time.perf_counter()
         experts, stats = build_expert_trajectories(train_rows[: script_args.sft_num_examples], env_factory=env_factory,
-                                                   seed=training_args.seed)
+                                                   seed=expert_seed(script_args, training_args))
         print(f"[sft] {stats['kept']}/{stats['total']} expert trajectories kept "
               f"({stats['kept_fraction']:.0%}); training", flush=True)
         trajectories = warm_start_trajectories(experts, tokenizer, protocol, env_factory, training_args)

@@ -102,14 +102,23 @@ def test_recipe_end_to_end_tiny_model(tmp_path, tiny_model_dir, capsys):
 
 
 @pytest.mark.parametrize("warm_start", ["off", "on"])  # on: the warm start's own trajectories are reused
-def test_recipe_adds_the_warm_start_experts_as_the_expert_loss(tmp_path, tiny_model_dir, capsys, warm_start):
-    """``--expert_loss_coef`` in the GRPO stage: the warm start's expert trajectories are the expert loss's data."""
+def test_recipe_adds_the_warm_start_experts_as_the_expert_loss(tmp_path, tiny_model_dir, capsys, monkeypatch,
+                                                               warm_start):
+    """``--expert_loss_coef`` in the GRPO stage: the warm start's expert trajectories are the expert loss's data, built
+    once, by the expert of ``--expert_seed`` (the warm start's seed) rather than the run's ``--seed``."""
+    import trl_multiturn.search as search
+
+    built, build = [], search.build_expert_trajectories
+    monkeypatch.setattr(search, "build_expert_trajectories",
+                        lambda rows, env_factory, seed: built.append(seed) or build(rows, env_factory=env_factory, seed=seed))
     recipe = load_recipe()
     out = tmp_path / "run"
     args = parse(recipe, ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--warm_start", warm_start,
-                          "--eval_before", "false", "--use_peft", "true", *SMALL, "--expert_loss_coef", "0.2"])
+                          "--eval_before", "false", "--use_peft", "true", *SMALL, "--expert_loss_coef", "0.2",
+                          "--seed", "1", "--expert_seed", "0"])
     recipe.main(*args)
     assert "[grpo] expert loss (coef 0.2) on 8 expert trajectories" in capsys.readouterr().out
+    assert built == [0]
     history = json.loads((out / "log_history.json").read_text())
     assert [h["loss/expert_nll"] > 0 for h in history if "loss/expert_nll" in h] == [True]
 
