@@ -15,7 +15,10 @@ Phases (each rank runs all of them, in order):
   A run may set ``"vllm": true``: then TRL's ``VLLMGeneration`` is replaced by a stand-in (server mode, no vLLM
   needed) whose client answers or searches by a fixed rule, and the recording shows which backend the rollouts used
   and when the weights were synced. A run may set ``"fsdp": true``: FSDP (from its ``--fsdp`` args) is then declared
-  in the accelerator's state as accelerate does on GPUs (on CPU accelerate leaves FSDP off).
+  in the accelerator's state as accelerate does on GPUs (on CPU accelerate leaves FSDP off). A run may set
+  ``"signal": false``: then the test-only reward is left out, every reward of a random model is 0 and so is every
+  advantage, and the update is the expert loss's alone (with ``--expert_loss_coef``); the expert examples each
+  micro-batch drew (step, indices) and the expert rows are recorded.
 
 Nothing here changes what the trainer computes except the added reward; the assertions live in the test.
 """
@@ -169,8 +172,9 @@ def _load_recipe():
     return module
 
 
-def _recording_trainer(base, record: dict):
-    """A subclass of the trainer that records what it computes (see the module docstring) and adds one reward."""
+def _recording_trainer(base, record: dict, signal: bool = True):
+    """A subclass of the trainer that records what it computes (see the module docstring) and, with ``signal``, adds
+    one reward."""
     import trl_multiturn.trainer as trainer_module
 
     original_shuffle = trainer_module.shuffle_groups
@@ -185,9 +189,19 @@ def _recording_trainer(base, record: dict):
 
     class RecordingTrainer(base):
         def __init__(self, *args, reward_funcs=None, **kwargs):
-            super().__init__(*args, reward_funcs=list(reward_funcs or []) + [sampled_ids_reward], **kwargs)
+            extra = [sampled_ids_reward] if signal else []
+            super().__init__(*args, reward_funcs=list(reward_funcs or []) + extra, **kwargs)
             record["initial"] = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
             record["trainer"] = self
+            if self._expert_loss is not None:
+                expert, nll = self._expert_loss, self._expert_loss.nll
+                record["expert"] = {"rows": expert.rows, "accum": expert.accum, "coef": expert.coef, "draws": []}
+
+                def recording_nll(model, index, device):
+                    record["expert"]["draws"].append({"step": self.state.global_step, "index": list(index)})
+                    return nll(model, index, device)
+
+                expert.nll = recording_nll
 
         def _run_rollout(self, inputs):
             record["events"].append({"event": "rollout", "rows": len(inputs)})
@@ -237,7 +251,7 @@ def run_recipe(name: str, run: dict, spec: dict, state, audit: _WriteAudit, out_
     script_args, training_args, model_args = parser.parse_args_and_config(args=run["argv"])
 
     record = {"shuffles": [], "rollouts": [], "chunks": [], "events": [], "in_rollout": False}
-    trainer_cls, restore = _recording_trainer(MultiTurnGRPOTrainer, record)
+    trainer_cls, restore = _recording_trainer(MultiTurnGRPOTrainer, record, signal=run.get("signal", True))
     recipe.MultiTurnGRPOTrainer = trainer_cls
 
     # which backend the training rollouts used: both are recorded in the event log while a rollout runs

@@ -9,7 +9,7 @@ from scripted import logged
 from test_trainer import FeedbackEnv, dataset, make_args, vowel_reward
 
 from trl_multiturn import MultiTurnGRPOTrainer
-from trl_multiturn.expert_loss import ExpertLoss
+from trl_multiturn.expert_loss import ExpertLoss, expert_loss_for
 
 
 def _rows(n=5, seed=0):
@@ -95,3 +95,16 @@ def test_refusals(tmp_path, smollm2_tokenizer, tiny_model_factory):
         ExpertLoss([{"input_ids": [1] * 6, "assistant_masks": [0, 1, 1, 1, 1]}], 1.0, 1, 1, 0, 0)
     with pytest.raises(ValueError, match="is empty"):
         ExpertLoss([], 1.0, 1, 1, 0, 0)
+
+
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP"])
+def test_deepspeed_and_fsdp_are_refused(tmp_path, kind):
+    """DDP is checked on two ranks (tests/test_multiprocess.py); the sharded backends are refused, not run unchecked."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    trainer = SimpleNamespace(args=make_args(tmp_path, expert_loss_coef=0.1),
+                              accelerator=SimpleNamespace(distributed_type=DistributedType[kind], num_processes=2))
+    with pytest.raises(ValueError, match=f"under {kind} its second forward"):
+        expert_loss_for(trainer, _rows(2))

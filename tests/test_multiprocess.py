@@ -11,6 +11,8 @@ recorded:
     vllm     2 x 2 = 4         4      1              2         use_vllm (server mode, stand-in engine)
     layout   as vllm, with a token budget that fits rank 0's two short trajectories in one micro-batch only
     fsdp     as whole, with FSDP declared (accelerate leaves it off on CPU): construction must refuse
+    expert   as whole, one step, expert_loss_coef 0.5 with no test-only reward (advantages 0) and plain SGD: the
+             update is the expert loss's alone, recomputed by the test from the draws both ranks recorded
 
 Each run makes 2 optimizer steps (one rollout each). The recipe runs with ``--use_cpu true``: on a machine without
 GPUs, accelerate only joins the torchrun processes into one gloo group when told it runs on CPU (without it every
@@ -58,7 +60,12 @@ RUNS = {
                "max_turns": 3, "max_tokens_per_micro_batch": 400, "share_prompt_prefix": "false"},
     "fsdp": {"prompts_per_rollout": 4, "num_generations": 2, "mini_batch_size": 8, "micro_batch_size": 2,
              "fsdp": "full_shard"},
+    # as whole, with the expert loss alone (no test-only reward: every advantage is 0) and plain SGD without clipping,
+    # so that the update is -lr x the ranks' mean expert gradient and the test can recompute it
+    "expert": {"prompts_per_rollout": 4, "num_generations": 2, "mini_batch_size": 8, "micro_batch_size": 2,
+               "expert_loss_coef": 0.5, "optim": "sgd", "learning_rate": 0.1, "max_grad_norm": 0, "max_steps": 1},
 }
+NO_SIGNAL = ("expert",)
 VLLM_RUNS = ("vllm", "layout")
 VLLM_PATTERN = {
     # searches per trajectory, per rank: a trajectory with s searches takes s + 1 turns
@@ -113,8 +120,8 @@ def two_ranks(tmp_path_factory, smollm2_tokenizer) -> TwoRanks:
         "model": str(model),
         "out": str(out),
         "vllm_pattern": VLLM_PATTERN,
-        "runs": {name: {"argv": _argv(name, out, model), "vllm": name in VLLM_RUNS, "fsdp": name == "fsdp"}
-                 for name in RUNS},
+        "runs": {name: {"argv": _argv(name, out, model), "vllm": name in VLLM_RUNS, "fsdp": name == "fsdp",
+                        "signal": name not in NO_SIGNAL} for name in RUNS},
     }
     (root / "spec.json").write_text(json.dumps(spec, indent=1))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
@@ -153,6 +160,59 @@ def test_both_ranks_trained_the_same_parameters(two_ranks, name):
     assert all(torch.equal(p0["final"][k], p1["final"][k]) for k in p0["final"])  # bit-identical after 2 steps
     changed = [k for k in p0["final"] if not torch.equal(p0["final"][k], p0["initial"][k])]
     assert len(changed) == len(p0["final"])  # and every trainable tensor was trained
+
+
+@pytest.mark.slow
+def test_expert_loss_update_is_the_ranks_mean_expert_gradient(two_ranks, smollm2_tokenizer):
+    """The expert loss under DDP (its second forward per micro-batch goes through the wrapped model): the ranks draw
+    different expert examples (one pass between them), end with the same parameters, and the update is -lr x c x the
+    mean over ranks and micro-batches of the expert NLL gradients, recomputed here from the recorded draws."""
+    from peft import get_peft_model
+    from trl import ModelConfig, TrlParser, get_peft_config
+
+    from trl_multiturn import MultiTurnGRPOConfig
+    from trl_multiturn.expert_loss import ExpertLoss
+
+    knobs, ranks = RUNS["expert"], two_ranks.both("expert")
+    assert all(a == 0.0 for rank in ranks for r in rank["rollouts"] for a in r["advantages"])  # no policy gradient
+    draws = [[d["index"] for d in rank["expert"]["draws"] if d["step"] == 0] for rank in ranks]
+    accum = ranks[0]["expert"]["accum"]
+    assert accum == knobs["mini_batch_size"] // (knobs["micro_batch_size"] * WORLD) and len(draws[0]) == accum
+    rows = ranks[0]["expert"]["rows"]
+    drawn = [i for rank in draws for index in rank for i in index]
+    assert len(set(drawn)) == min(len(drawn), len(rows))  # no example twice in one pass, across the ranks
+    p0, p1 = two_ranks.params("expert", 0), two_ranks.params("expert", 1)
+    assert all(torch.equal(p0["final"][k], p1["final"][k]) for k in p0["final"])
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("search_agent_recipe", REPO / "recipes" / "search_agent.py")
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe
+    spec.loader.exec_module(recipe)
+    parser = TrlParser((recipe.SearchAgentArguments, MultiTurnGRPOConfig, ModelConfig))
+    parser.set_defaults(**recipe.DEFAULTS)
+    argv = _argv("expert", two_ranks.out, two_ranks.out.parent / "tiny")
+    _, training_args, model_args = parser.parse_args_and_config(args=argv)
+    _, model, _ = recipe.load_model(model_args, training_args)
+    model = get_peft_model(model, get_peft_config(model_args))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in p0["initial"].items():
+            params[name].copy_(value)
+    model.train()
+    expert = ExpertLoss([{"input_ids": i, "assistant_masks": m} for i, m in rows], 1.0, 1, accum, 0,
+                        smollm2_tokenizer.pad_token_id)
+    model.zero_grad()
+    for rank in draws:
+        for index in rank:
+            (expert.nll(model, index, "cpu") / (accum * WORLD)).backward()
+    step = knobs["learning_rate"] * knobs["expert_loss_coef"]
+    want = {name: -step * params[name].grad for name in p0["initial"]}  # SGD without clipping: -lr x c x mean grad
+    scale = max(float(w.abs().max()) for w in want.values())
+    assert scale > 0
+    for name, value in p0["initial"].items():
+        assert torch.allclose(p0["final"][name] - value, want[name], rtol=1e-3, atol=1e-3 * scale), name
 
 
 @pytest.mark.slow

@@ -479,7 +479,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
             "PPO-ptx adds its pretraining loss: it holds behaviour that no group's reward variance pays for. Each "
             "training micro-batch adds the token mean over expert_micro_batch_size examples of the trainer's "
             "expert_dataset (trl_multiturn.sft.sft_dataset), divided by the accumulation steps. Logged: "
-            "loss/expert_nll. 0: off (an expert_dataset is then refused)."
+            "loss/expert_nll. 0: off (an expert_dataset is then refused). One process or DDP; refused under "
+            "DeepSpeed and FSDP."
         },
     )
     expert_micro_batch_size: int = field(
