@@ -59,6 +59,8 @@ RUNS = (
      "3 x 32", "2.5e-5", "kl3x32_seed{seed}_step3_vs_warm_start.json", (0, 1)),
     ("a-greedy-baseline-three-steps-of-32-groups", "the same with a greedy baseline (ReMax), no KL", "3 x 32",
      "2.5e-5", "greedy3x32_seed{seed}_step3_vs_warm_start.json", (0, 1)),
+    ("an-expert-loss-three-steps-of-32-groups", "the same + expert loss (PPO-ptx, c 0.5), no KL", "3 x 32",
+     "2.5e-5", "expert3x32_seed{seed}_step3_vs_warm_start.json", (0, 1)),
 )
 SUBSETS = ("all", "hops_1", "hops_2")
 
