@@ -184,12 +184,9 @@ def test_expert_loss_update_is_the_ranks_mean_expert_gradient(two_ranks, smollm2
     p0, p1 = two_ranks.params("expert", 0), two_ranks.params("expert", 1)
     assert all(torch.equal(p0["final"][k], p1["final"][k]) for k in p0["final"])
 
-    import importlib.util
+    from multiprocess_worker import _load_recipe
 
-    spec = importlib.util.spec_from_file_location("search_agent_recipe", REPO / "recipes" / "search_agent.py")
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe
-    spec.loader.exec_module(recipe)
+    recipe = _load_recipe()
     parser = TrlParser((recipe.SearchAgentArguments, MultiTurnGRPOConfig, ModelConfig))
     parser.set_defaults(**recipe.DEFAULTS)
     argv = _argv("expert", two_ranks.out, two_ranks.out.parent / "tiny")
