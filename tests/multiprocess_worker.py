@@ -26,7 +26,6 @@ Nothing here changes what the trainer computes except the added reward; the asse
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_scripts import load_script
 
 
 def _key(ids) -> int:
@@ -165,11 +164,7 @@ class _WriteAudit:
 
 
 def _load_recipe():
-    spec = importlib.util.spec_from_file_location("search_agent_recipe", REPO / "recipes" / "search_agent.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["search_agent_recipe"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/search_agent.py", "search_agent_recipe")
 
 
 def _recording_trainer(base, record: dict, signal: bool = True):

@@ -4,22 +4,19 @@ agreement check compares their logits, and the JSON holds what docs/benchmarks.m
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from repo_scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compiled_decode.py"
 
 
 @pytest.mark.slow  # loads SmolLM2's tokenizer and a tiny model, a few decode steps (~10 s)
 def test_compiled_decode_benchmark_structure(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("compiled_decode_benchmark", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, bench)
-    spec.loader.exec_module(bench)
+    bench = load_script(SCRIPT, "compiled_decode_benchmark")
 
     calls = []
 

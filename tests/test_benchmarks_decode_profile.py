@@ -3,22 +3,19 @@ read from the generator's own counters, and the forward's split into prefill and
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from repo_scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_profile.py"
 
 
 @pytest.mark.slow  # a warm-up rollout and a measured one per batch size (~10 s on 2 busy cores)
 def test_decode_profile_parts_add_up_to_the_wall_time(tmp_path):
-    spec = importlib.util.spec_from_file_location("decode_profile_benchmark", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, bench)
-    spec.loader.exec_module(bench)
+    bench = load_script(SCRIPT, "decode_profile_benchmark")
     out = tmp_path / "profile.json"
     result = bench.main(["--model", "random-tiny", "--batch-sizes", "2", "4", "--group-size", "2", "--turns", "2",
                          "--max-think", "8", "--repeats", "1", "--out", str(out)])

@@ -3,23 +3,19 @@ the same forced multi-turn work, the timed step holds the rollout, and the JSON 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
+
+from repo_scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_step.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("grpo_step_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "grpo_step_benchmark")
 
 
 @pytest.mark.slow  # two trainers, each a whole step with a rollout: ~30 s on 2 busy cores

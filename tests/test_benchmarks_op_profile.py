@@ -3,22 +3,19 @@ operator table adds up, and the matmuls' FLOPs are counted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from repo_scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "op_profile.py"
 
 
 @pytest.mark.slow  # two model loads, a profiled training pass and rollout: ~20 s on 1 busy core
 def test_op_profile_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("op_profile_benchmark", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, bench)
-    spec.loader.exec_module(bench)
+    bench = load_script(SCRIPT, "op_profile_benchmark")
     out = tmp_path / "op.json"
     bench.main(["--model", "random-tiny", "--rows", "2", "--length", "64", "--prompts", "1", "--group-size", "2",
                 "--turns", "2", "--rollout-skip", "1", "--rollout-forwards", "6", "--gemm-weights", "6", "--top", "40", "--out", str(out)])

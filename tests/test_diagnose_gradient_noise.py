@@ -4,26 +4,18 @@ so that two groups have reward variance and two do not)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+import repo_scripts
 
 
 def load_script():
-    path = REPO / "recipes" / "diagnose_gradient_noise.py"
-    spec = importlib.util.spec_from_file_location("diagnose_gradient_noise", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["diagnose_gradient_noise"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return repo_scripts.load_script("recipes/diagnose_gradient_noise.py")
 
 
 def gram_of(*vectors) -> np.ndarray:

@@ -8,7 +8,6 @@ and no tag written in a docstring (`<search>`) is swallowed as HTML.
 from __future__ import annotations
 
 import html
-import importlib.util
 import re
 import subprocess
 import sys
@@ -16,15 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from repo_scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_extension():
     pytest.importorskip("griffe")
-    spec = importlib.util.spec_from_file_location("griffe_markdown", ROOT / "docs" / "scripts" / "griffe_markdown.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs/scripts/griffe_markdown.py")
 
 
 def test_docstring_conventions_become_markdown():

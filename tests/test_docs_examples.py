@@ -11,7 +11,6 @@ whose previous non-blank line is ``<!-- expected-output -->``: the block's print
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from repo_scripts import load_script
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS = REPO_ROOT / "docs"
 RUNNABLE = "<!-- runnable -->"
@@ -29,11 +30,7 @@ _FENCE = re.compile(r"^```(\w*)\s*$")
 
 
 def _load_script(name: str):
-    path = DOCS / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"docs_script_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DOCS / "scripts" / f"{name}.py", f"docs_script_{name}")
 
 
 def parse_blocks(text: str) -> list[dict]:

@@ -12,10 +12,11 @@ import json
 import math
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
+
+from repo_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -25,11 +26,7 @@ pytest.importorskip("matplotlib")
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, DOCS / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DOCS / "scripts" / f"{name}.py")
 
 
 def _png_size(path: Path) -> tuple[int, int]:

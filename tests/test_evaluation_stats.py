@@ -83,13 +83,9 @@ def test_compare_evaluations_includes_sampled_exact_match():
 
 
 def test_compare_script_prints_and_writes(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from repo_scripts import load_script
 
-    spec = importlib.util.spec_from_file_location(
-        "compare_evaluations", Path(__file__).resolve().parents[1] / "recipes" / "compare_evaluations.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("recipes/compare_evaluations.py")
     a = [_rec(f"q{i}", 1 + i % 2, float(i % 3 == 0)) for i in range(12)]
     b = [_rec(f"q{i}", 1 + i % 2, float(i % 3 != 1)) for i in range(12)]
     (tmp_path / "a.json").write_text(json.dumps({"records": a}))

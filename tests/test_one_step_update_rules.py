@@ -5,7 +5,6 @@ that optimizer state's step is refused."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,10 +14,10 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from repo_scripts import load_script
+
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("one_step_update_rules", REPO / "docs/scripts/one_step_update_rules.py")
-rules = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rules)
+rules = load_script("docs/scripts/one_step_update_rules.py")
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -4,13 +4,12 @@ parts, laid out as a mirror of the Hub repositories; resuming an interrupted cop
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+import repo_scripts
 
 CORPUS = [
     {"id": "0", "contents": '"Aaron Burr"\nAaron Burr was the third vice president of the United States.'},
@@ -22,10 +21,7 @@ HOTPOT = [{"id": "dev_0", "question": "who was vice president after jefferson", 
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("prepare_search_r1_data", REPO / "recipes" / "prepare_search_r1_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return repo_scripts.load_script("recipes/prepare_search_r1_data.py")
 
 
 def _jsonl(rows) -> bytes:

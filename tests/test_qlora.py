@@ -15,9 +15,7 @@ shows that the same steps keep correct gradients there. The skip reasons in the 
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -239,14 +237,9 @@ def test_smollm2_qlora_grads_after_generate_match_dequantized_lora(smollm2_dir, 
 
 def test_memory_estimate_arithmetic(monkeypatch):
     """The GPU estimate in docs/lora_qlora.md: parameter counts against the published sizes, LoRA by hand."""
-    import importlib.util
+    from repo_scripts import load_script
 
-    spec = importlib.util.spec_from_file_location(
-        "memory_benchmark", Path(__file__).parents[1] / "benchmarks/memory.py"
-    )
-    memory = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, memory)  # dataclasses look their module up there
-    spec.loader.exec_module(memory)
+    memory = load_script("benchmarks/memory.py", "memory_benchmark")
     assert round(memory.QWEN2_5_3B.params() / 1e9, 2) == 3.09  # Qwen2.5-3B: 3.09 B
     assert round(memory.QWEN2_5_7B.params() / 1e9, 2) == 7.62  # Qwen2.5-7B: 7.61 B (7,615,616,512)
     # LoRA r=16 on one Qwen2.5-3B layer: q (2048+2048) + k, v (2048+256) x 2 + o (2048+2048) + gate, up (2048+11008)

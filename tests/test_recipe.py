@@ -1,9 +1,7 @@
 """The search agent recipe end to end: parsing its configs, a tiny random model through every stage, SmolLM2 for one
 GRPO step, and the Hub push against a local stand-in (see tests/test_hub.py for the stand-in itself)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,16 +9,13 @@ import yaml
 
 from trl_multiturn import MultiTurnGRPOConfig
 from test_hub import hub  # noqa: F401  (the local Hub stand-in fixture)
+from repo_scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def load_recipe():
-    spec = importlib.util.spec_from_file_location("search_agent_recipe", REPO / "recipes" / "search_agent.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["search_agent_recipe"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/search_agent.py", "search_agent_recipe")
 
 
 def parse(recipe, argv):
@@ -248,10 +243,7 @@ def test_recipe_publishes_and_the_adapter_reloads(tmp_path, tiny_model_dir, hub,
     assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "training_curves.png"} <= set(repo["files"])
     assert b"trl-multiturn" in repo["files"]["README.md"]
 
-    spec = importlib.util.spec_from_file_location("evaluate_recipe", REPO / "recipes" / "evaluate_search_agent.py")
-    evaluate = importlib.util.module_from_spec(spec)
-    sys.modules["evaluate_recipe"] = evaluate  # dataclasses look their module up by name
-    spec.loader.exec_module(evaluate)
+    evaluate = load_script("recipes/evaluate_search_agent.py", "evaluate_recipe")
     from trl import ModelConfig, TrlParser
 
     eval_args = TrlParser((evaluate.EvalArguments, ModelConfig)).parse_args_and_config(args=[
@@ -273,9 +265,7 @@ def test_turn_credit_ablation_runs_every_arm_from_one_adapter(tmp_path, tiny_mod
     adapter = tmp_path / "sft_adapter"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")).save_pretrained(adapter)
-    spec = importlib.util.spec_from_file_location("ablate_turn_credit", REPO / "recipes" / "ablate_turn_credit.py")
-    ablation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablation)
+    ablation = load_script("recipes/ablate_turn_credit.py")
     out = tmp_path / "ablation"
     arms = ablation.main([
         "--init_adapter", str(adapter), "--modes", "trajectory", "mt-grpo", "--max_steps", "1", "--output_dir", str(out),
@@ -293,9 +283,7 @@ def test_turn_credit_ablation_runs_every_arm_from_one_adapter(tmp_path, tiny_mod
 
 
 def test_steps_to_reach_uses_a_moving_average():
-    spec = importlib.util.spec_from_file_location("ablate_turn_credit", REPO / "recipes" / "ablate_turn_credit.py")
-    ablation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablation)
+    ablation = load_script("recipes/ablate_turn_credit.py")
     history = [{"step": i + 1, "em": v} for i, v in enumerate([0.0, 0.5, 0.0, 0.4, 0.4, 0.4, 0.9])]
     assert ablation.steps_to_reach(history, "em", 0.4) == 6  # 0.5 alone at step 2 is not enough
     assert ablation.steps_to_reach(history, "em", 0.3, window=1) == 2

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from repo_scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,11 +37,7 @@ assert "recipes/search_agent.py" in SCRIPTS and "recipes/evaluate_search_agent.p
 
 
 def _load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, name)
 
 
 class _AnyKey(dict):
