@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from repo_scripts import load_script
+from repo_scripts import load_recipe
 
 
 def _key(ids) -> int:
@@ -163,10 +163,6 @@ class _WriteAudit:
             self.paths.append(f"{event} {os.path.relpath(path, self.root)}")
 
 
-def _load_recipe():
-    return load_script("recipes/search_agent.py", "search_agent_recipe")
-
-
 def _recording_trainer(base, record: dict, signal: bool = True):
     """A subclass of the trainer that records what it computes (see the module docstring) and, with ``signal``, adds
     one reward."""
@@ -240,7 +236,7 @@ def run_recipe(name: str, run: dict, spec: dict, state, audit: _WriteAudit, out_
     from trl_multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
     from trl_multiturn.generation import TransformersGenerator, VLLMGenerator
 
-    recipe = _load_recipe()
+    recipe = load_recipe()
     parser = TrlParser((recipe.SearchAgentArguments, MultiTurnGRPOConfig, ModelConfig))
     parser.set_defaults(**recipe.DEFAULTS)
     script_args, training_args, model_args = parser.parse_args_and_config(args=run["argv"])

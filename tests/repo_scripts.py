@@ -22,3 +22,8 @@ def load_script(path: str | Path, name: str | None = None):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_recipe():
+    """recipes/search_agent.py, the search agent recipe."""
+    return load_script("recipes/search_agent.py", "search_agent_recipe")

@@ -184,9 +184,9 @@ def test_expert_loss_update_is_the_ranks_mean_expert_gradient(two_ranks, smollm2
     p0, p1 = two_ranks.params("expert", 0), two_ranks.params("expert", 1)
     assert all(torch.equal(p0["final"][k], p1["final"][k]) for k in p0["final"])
 
-    from multiprocess_worker import _load_recipe
+    from repo_scripts import load_recipe
 
-    recipe = _load_recipe()
+    recipe = load_recipe()
     parser = TrlParser((recipe.SearchAgentArguments, MultiTurnGRPOConfig, ModelConfig))
     parser.set_defaults(**recipe.DEFAULTS)
     argv = _argv("expert", two_ranks.out, two_ranks.out.parent / "tiny")

@@ -9,13 +9,9 @@ import yaml
 
 from trl_multiturn import MultiTurnGRPOConfig
 from test_hub import hub  # noqa: F401  (the local Hub stand-in fixture)
-from repo_scripts import load_script
+from repo_scripts import load_recipe, load_script
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def load_recipe():
-    return load_script("recipes/search_agent.py", "search_agent_recipe")
 
 
 def parse(recipe, argv):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from repo_scripts import load_script
+from repo_scripts import load_recipe, load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,10 +36,6 @@ SCRIPTS = [  # every command-line script under recipes/, benchmarks/, docs/scrip
 assert "recipes/search_agent.py" in SCRIPTS and "recipes/evaluate_search_agent.py" in SCRIPTS
 
 
-def _load(path: str, name: str):
-    return load_script(path, name)
-
-
 class _AnyKey(dict):
     """What argparse formats a help string with, for any key (``%(default)s``, ``%(type)s``, ...)."""
 
@@ -53,8 +49,8 @@ def parsed_dataclasses():
 
     from trl_multiturn import MultiTurnGRPOConfig
 
-    search = _load("recipes/search_agent.py", "search_agent_recipe")
-    evaluate = _load("recipes/evaluate_search_agent.py", "evaluate_search_agent_recipe")
+    search = load_recipe()
+    evaluate = load_script("recipes/evaluate_search_agent.py", "evaluate_search_agent_recipe")
     return [search.SearchAgentArguments, evaluate.EvalArguments, MultiTurnGRPOConfig, ModelConfig]
 
 

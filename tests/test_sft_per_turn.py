@@ -247,7 +247,7 @@ def test_policy_trajectories_carry_the_contexts_of_a_per_turn_rollout(smollm2_to
 def test_search_recipe_warm_start_replays_the_experts_per_turn(smollm2_tokenizer):
     """The recipe's ``warm_start_trajectories``: in the per-turn layout every expert episode is replayed to its
     answer, with the ids of the tag-text trajectory and the contexts of the run's context policy."""
-    from test_recipe import load_recipe
+    from repo_scripts import load_recipe
 
     from trl_multiturn.search.data import build_offline_dataset
     from trl_multiturn.search.environment import SearchEnvironment
