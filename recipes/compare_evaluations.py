@@ -5,7 +5,10 @@
 
 Each file is what `recipes/evaluate_search_agent.py --output_json` or the training recipe's `eval_<stage>.json`
 writes (a `records` list with one record per question). Both must hold the same questions (evaluate both stages
-with `--heldout balanced`). Exact match is compared always; sampled exact match when both files have it
+with `--heldout balanced`). Several evaluations pool into one comparison when A and B each name their files joined
+by commas, in the same order (e.g. the held-out sets of two generated knowledge bases,
+`warm_kb2.json,warm_kb3.json grpo_kb2.json,grpo_kb3.json`): the i-th file of B is paired with the i-th of A question
+by question, and the pooled questions are resampled together. Exact match is compared always; sampled exact match when both files have it
 (`--num_samples`). An interval that excludes 0 is a change that resampling the questions does not explain.
 Where both files name the library versions that made them (`environment.versions`) and these differ, the comparison
 says so (`versions_differ`): a paired difference then mixes the training with the change of libraries.
@@ -22,18 +25,25 @@ def main(argv: list[str] | None = None) -> dict:
     from trl_multiturn.search.evaluation import compare_evaluations
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("a", help="the evaluation of the earlier stage (e.g. the warm start)")
-    parser.add_argument("b", help="the evaluation of the later stage (e.g. GRPO)")
+    parser.add_argument("a", help="the evaluation of the earlier stage (e.g. the warm start); several: comma-separated")
+    parser.add_argument("b", help="the evaluation of the later stage (e.g. GRPO), as many files as A, in A's order")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap (default 0)")
     parser.add_argument("--confidence", type=float, default=0.95, help="level of the interval (default 0.95)")
     parser.add_argument("--output_json", default=None, help="also write the comparison here")
     args = parser.parse_args(argv)
-    files = [json.loads(Path(p).read_text()) for p in (args.a, args.b)]
-    out = compare_evaluations(*(f["records"] for f in files), resamples=args.resamples, seed=args.seed,
-                              confidence=args.confidence)
+    paths = [args.a.split(","), args.b.split(",")]
+    if len(paths[0]) != len(paths[1]):
+        parser.error(f"A names {len(paths[0])} files and B {len(paths[1])}: give B one file per file of A, "
+                     "in the same order (the i-th of B is paired with the i-th of A).")
+    files = [[json.loads(Path(p).read_text()) for p in side] for side in paths]
+    records = [_pooled(side) if len(side) > 1 else side[0]["records"] for side in files]
+    out = compare_evaluations(*records, resamples=args.resamples, seed=args.seed, confidence=args.confidence)
     out.update(a=args.a, b=args.b)
-    versions = [f.get("environment", {}).get("versions", {}) for f in files]
+    if len(paths[0]) > 1:
+        out["pooled_files"] = len(paths[0])
+    versions = [{k: v for f in side for k, v in f.get("environment", {}).get("versions", {}).items()}
+                for side in files]
     differ = {k: [versions[0][k], versions[1][k]] for k in versions[0].keys() & versions[1].keys()
               if versions[0][k] != versions[1][k]}
     if differ:
@@ -49,6 +59,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(out, indent=2))
     return out
+
+
+def _pooled(files: list[dict]) -> list[dict]:
+    """The records of several evaluations as one list, each question's id prefixed with its file's position, so that
+    the same id in two knowledge bases stays two questions and pairs only with its own file's counterpart."""
+    from trl_multiturn.search.evaluation import record_key
+
+    return [{**r, "id": f"{i}:{record_key(r)}"} for i, f in enumerate(files) for r in f["records"]]
 
 
 if __name__ == "__main__":

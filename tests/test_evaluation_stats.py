@@ -105,6 +105,29 @@ def test_compare_script_prints_and_writes(tmp_path, capsys):
     assert "different library versions" in capsys.readouterr().out
 
 
+def test_compare_script_pools_several_evaluations_paired_within_each(tmp_path, capsys):
+    from repo_scripts import load_script
+
+    script = load_script("recipes/compare_evaluations.py")
+    # two knowledge bases whose questions share ids; q0 keeps its answer in each, q1 is solved in both by B
+    files = {"a1": [_rec("q0", 1, 1.0), _rec("q1", 2, 0.0)], "a2": [_rec("q0", 1, 0.0), _rec("q1", 2, 0.0)],
+             "b1": [_rec("q1", 2, 1.0), _rec("q0", 1, 1.0)], "b2": [_rec("q0", 1, 0.0), _rec("q1", 2, 1.0)]}
+    for name, records in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"records": records}))
+    a, b = (",".join(str(tmp_path / f"{s}{i}.json") for i in (1, 2)) for s in "ab")
+    out = script.main([a, b, "--resamples", "500"])
+    em = out["exact_match"]
+    assert out["pooled_files"] == 2 and em["all"]["n"] == 4 and em["all"]["diff"] == pytest.approx(0.5)
+    assert em["hops_1"] == {"n": 2, "a": 0.5, "b": 0.5, "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+    assert (em["hops_2"]["a"], em["hops_2"]["b"], em["hops_2"]["ci_low"]) == (0.0, 1.0, 1.0)
+    # B's files in the other order pair kb 1's records with kb 2's: q0 then goes 1 -> 0 and 0 -> 1
+    swapped = script.main([a, ",".join(reversed(b.split(","))), "--resamples", "500"])["exact_match"]["hops_1"]
+    assert swapped["diff"] == 0.0 and (swapped["ci_low"], swapped["ci_high"]) == (-1.0, 1.0)
+    with pytest.raises(SystemExit):
+        script.main([a, str(tmp_path / "b1.json")])
+    assert "give B one file per file of A" in capsys.readouterr().err
+
+
 def test_heldout_set_is_balanced_fixed_and_order_free():
     data = build_offline_dataset()  # the recipes' default knowledge base: 256 one-hop and 225 two-hop test questions
     rows = heldout_rows(data.test_rows, 256)

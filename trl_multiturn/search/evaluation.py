@@ -195,7 +195,8 @@ def unpaired_bootstrap_ci(a: Sequence[float], b: Sequence[float], resamples: int
     return float(low), float(high)
 
 
-def _key(record: dict) -> str:
+def record_key(record: dict) -> str:
+    """The key that pairs a question's records across evaluations: its ``id``, else its text."""
     return str(record["id"]) if record.get("id") is not None else str(record.get("question"))
 
 
@@ -208,7 +209,7 @@ def compare_evaluations(records_a: Sequence[dict], records_b: Sequence[dict], me
     bootstrap interval ``ci_low``/``ci_high`` of the per-question differences (:func:`bootstrap_mean_ci`; the
     same seed for every subset). Raises ValueError when the two stages were not evaluated on the same questions.
     """
-    by_a, by_b = {_key(r): r for r in records_a}, {_key(r): r for r in records_b}
+    by_a, by_b = {record_key(r): r for r in records_a}, {record_key(r): r for r in records_b}
     only_a, only_b = sorted(set(by_a) - set(by_b)), sorted(set(by_b) - set(by_a))
     if only_a or only_b or len(by_a) != len(records_a) or len(by_b) != len(records_b):
         raise ValueError(
