@@ -8,10 +8,11 @@ writes (a `records` list with one record per question). Both must hold the same 
 with `--heldout balanced`). Several evaluations pool into one comparison when A and B each name their files joined
 by commas, in the same order (e.g. the held-out sets of two generated knowledge bases,
 `warm_kb2.json,warm_kb3.json grpo_kb2.json,grpo_kb3.json`): the i-th file of B is paired with the i-th of A question
-by question, and the pooled questions are resampled together. Exact match is compared always; sampled exact match when both files have it
-(`--num_samples`). An interval that excludes 0 is a change that resampling the questions does not explain.
-Where both files name the library versions that made them (`environment.versions`) and these differ, the comparison
-says so (`versions_differ`): a paired difference then mixes the training with the change of libraries.
+by question, and the pooled questions are resampled together. Exact match is compared always; sampled exact match
+when both files have it (`--num_samples`). An interval that excludes 0 is a change that resampling the questions
+does not explain. Where two paired files name the library versions that made them (`environment.versions`) and
+these differ, the comparison says so (`versions_differ`): a paired difference then mixes the training with the
+change of libraries.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def main(argv: list[str] | None = None) -> dict:
     out.update(a=args.a, b=args.b)
     if len(paths[0]) > 1:
         out["pooled_files"] = len(paths[0])
-    versions = [{k: v for f in side for k, v in f.get("environment", {}).get("versions", {}).items()}
-                for side in files]
-    differ = {k: [versions[0][k], versions[1][k]] for k in versions[0].keys() & versions[1].keys()
-              if versions[0][k] != versions[1][k]}
+    differ = {}
+    for fa, fb in zip(*files):  # the versions of each paired A and B file
+        va, vb = (f.get("environment", {}).get("versions", {}) for f in (fa, fb))
+        differ.update({k: [va[k], vb[k]] for k in va.keys() & vb.keys() if va[k] != vb[k] and k not in differ})
     if differ:
         out["versions_differ"] = differ
         print(f"note: A and B were made with different library versions: {differ}")

@@ -123,6 +123,11 @@ def test_compare_script_pools_several_evaluations_paired_within_each(tmp_path, c
     # B's files in the other order pair kb 1's records with kb 2's: q0 then goes 1 -> 0 and 0 -> 1
     swapped = script.main([a, ",".join(reversed(b.split(","))), "--resamples", "500"])["exact_match"]["hops_1"]
     assert swapped["diff"] == 0.0 and (swapped["ci_low"], swapped["ci_high"]) == (-1.0, 1.0)
+    # library versions are compared pair by pair: kb 1's B file was made with another PEFT than kb 1's A file
+    for name, version in {"a1": "1", "b1": "2", "a2": "3", "b2": "3"}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"records": files[name],
+                                                           "environment": {"versions": {"PEFT": version}}}))
+    assert script.main([a, b, "--resamples", "10"])["versions_differ"] == {"PEFT": ["1", "2"]}
     with pytest.raises(SystemExit):
         script.main([a, str(tmp_path / "b1.json")])
     assert "give B one file per file of A" in capsys.readouterr().err
