@@ -23,7 +23,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from trl_multiturn.search.evaluation import compare_evaluations
+    from trl_multiturn.search.evaluation import compare_evaluations, pool_records
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("a", help="the evaluation of the earlier stage (e.g. the warm start); several: comma-separated")
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"A names {len(paths[0])} files and B {len(paths[1])}: give B one file per file of A, "
                      "in the same order (the i-th of B is paired with the i-th of A).")
     files = [[json.loads(Path(p).read_text()) for p in side] for side in paths]
-    records = [_pooled(side) if len(side) > 1 else side[0]["records"] for side in files]
+    records = [pool_records([f["records"] for f in side]) for side in files]
     out = compare_evaluations(*records, resamples=args.resamples, seed=args.seed, confidence=args.confidence)
     out.update(a=args.a, b=args.b)
     if len(paths[0]) > 1:
@@ -60,14 +60,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(out, indent=2))
     return out
-
-
-def _pooled(files: list[dict]) -> list[dict]:
-    """The records of several evaluations as one list, each question's id prefixed with its file's position, so that
-    the same id in two knowledge bases stays two questions and pairs only with its own file's counterpart."""
-    from trl_multiturn.search.evaluation import record_key
-
-    return [{**r, "id": f"{i}:{record_key(r)}"} for i, f in enumerate(files) for r in f["records"]]
 
 
 if __name__ == "__main__":

@@ -128,6 +128,11 @@ def test_compare_script_pools_several_evaluations_paired_within_each(tmp_path, c
         (tmp_path / f"{name}.json").write_text(json.dumps({"records": files[name],
                                                            "environment": {"versions": {"PEFT": version}}}))
     assert script.main([a, b, "--resamples", "10"])["versions_differ"] == {"PEFT": ["1", "2"]}
+    # in a notebook: pool_records joins the record lists, each id prefixed with its list's position
+    from trl_multiturn.search.evaluation import pool_records
+
+    assert [r["id"] for r in pool_records([files["a1"], files["a2"]])] == ["0:q0", "0:q1", "1:q0", "1:q1"]
+    assert pool_records([files["a1"]]) == files["a1"]
     with pytest.raises(SystemExit):
         script.main([a, str(tmp_path / "b1.json")])
     assert "give B one file per file of A" in capsys.readouterr().err

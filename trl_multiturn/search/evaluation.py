@@ -11,7 +11,8 @@ the quantity GRPO's reward actually optimizes.
 :func:`heldout_rows` picks the fixed held-out set (:func:`validation_rows` a disjoint one to choose settings on) (half 1-hop, half 2-hop, the same for every stage) and
 :func:`compare_evaluations` gives the difference between two stages' per-question records with a paired bootstrap
 confidence interval, overall and per hop count: the same questions in both stages, so the question-to-question
-spread (most of the variance of an EM) cancels out of the difference.
+spread (most of the variance of an EM) cancels out of the difference (:func:`pool_records` joins several evaluations
+into one comparison).
 
 In a multi-process run each rank evaluates its own shard of the questions and the per-question records are
 gathered, so the numbers are those of the full set on every rank.
@@ -195,9 +196,18 @@ def unpaired_bootstrap_ci(a: Sequence[float], b: Sequence[float], resamples: int
     return float(low), float(high)
 
 
-def record_key(record: dict) -> str:
-    """The key that pairs a question's records across evaluations: its ``id``, else its text."""
+def _key(record: dict) -> str:
     return str(record["id"]) if record.get("id") is not None else str(record.get("question"))
+
+
+def pool_records(evaluations: Sequence[Sequence[dict]]) -> list[dict]:
+    """The per-question records of several evaluations as one list for :func:`compare_evaluations`, e.g. the held-out
+    sets of several generated knowledge bases: each record's ``id`` is prefixed with its evaluation's position, so
+    the same id in two evaluations stays two questions and pairs only with the record at the same position of the
+    other stage's list. One evaluation is returned as it is."""
+    if len(evaluations) == 1:
+        return list(evaluations[0])
+    return [{**r, "id": f"{i}:{_key(r)}"} for i, records in enumerate(evaluations) for r in records]
 
 
 def compare_evaluations(records_a: Sequence[dict], records_b: Sequence[dict], metrics: Sequence[str] | None = None,
@@ -209,7 +219,7 @@ def compare_evaluations(records_a: Sequence[dict], records_b: Sequence[dict], me
     bootstrap interval ``ci_low``/``ci_high`` of the per-question differences (:func:`bootstrap_mean_ci`; the
     same seed for every subset). Raises ValueError when the two stages were not evaluated on the same questions.
     """
-    by_a, by_b = {record_key(r): r for r in records_a}, {record_key(r): r for r in records_b}
+    by_a, by_b = {_key(r): r for r in records_a}, {_key(r): r for r in records_b}
     only_a, only_b = sorted(set(by_a) - set(by_b)), sorted(set(by_b) - set(by_a))
     if only_a or only_b or len(by_a) != len(records_a) or len(by_b) != len(records_b):
         raise ValueError(
