@@ -87,6 +87,21 @@ def read_completion_columns(values: torch.Tensor, index: torch.Tensor) -> torch.
     return values.gather(1, (index - 1).clamp(min=0))  # (b, C)
 
 
+def scored_labels(labels: torch.Tensor, positions: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """``labels`` (R, S) with -100 everywhere but at the label columns of the completion columns that are
+    ``scored``: the loss's tokens. The fused LM head then projects those positions only (TRL's
+    ``add_fused_lm_head``), and the others come back as 0.
+
+    ``positions`` (b, C): the label column of each completion column (:attr:`CompactRows.index` for compact rows,
+    ``PrefixTreeRow.cols + 1`` for the prefix-tree row); ``scored`` (b, C) bool. Row i of ``positions`` indexes row i
+    of ``labels``, or its only row when R == 1 (the prefix-tree row, where rows that share a column keep it when one
+    of them is scored)."""
+    rows, cols = scored.nonzero(as_tuple=True)
+    keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)  # (R, S)
+    keep[rows if labels.size(0) > 1 else torch.zeros_like(rows), positions[rows, cols]] = True
+    return labels.masked_fill(~keep, -100)
+
+
 class PackedRows(NamedTuple):
     """Compact rows packed several to a row (:func:`pack_rows`)."""
 

@@ -61,6 +61,13 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} must be >= 0 (a count summed over the whole mini-batch).")
 
 
+def loss_mask(inputs: dict) -> torch.Tensor:
+    """(B, C) 1 on the tokens a batch in TRL's layout trains on: ``completion_mask`` times ``tool_mask`` (0 on
+    observations, and on whole trajectories that carry no loss) when there is one."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+
 def loss_normalizers(mask: torch.Tensor, sequence_tokens: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """This shard's ``(num_sequences, num_tokens)``: the trajectories that carry loss, and mask-1 tokens.

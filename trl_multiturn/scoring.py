@@ -29,7 +29,7 @@ import torch
 from .batching import first_fit_decreasing
 from .layouts import (
     MIN_SHARED_RUN, compact_rows, pack_rows, prefix_tree_row, prompt_completion_contiguous, prompt_keys,
-    read_completion_columns, read_packed, shares_prompts,
+    read_completion_columns, read_packed, scored_labels, shares_prompts,
 )
 from .shared_attention import SharedAttentionUnused, SharedPromptPlan, install_shared_prompt_attention
 
@@ -75,6 +75,30 @@ def lm_head_chunk(size: int | None):
         yield
     finally:
         setattr(trl_utils, name, original)
+
+
+@contextmanager
+def lm_head_on_labelled_positions(device: torch.device):
+    """Within the block, TRL's fused LM head projects only the positions whose next-token label is not -100 on CPU too.
+
+    TRL projects every position on devices without Triton (a fixed tile shape spares compilers such as Neuron's a
+    recompilation per batch) and zeroes the masked ones afterwards. Here the masked positions are the prompts and the
+    observations, about three quarters of a multi-turn micro-batch: on CPU their projection onto the 49k vocabulary
+    (forward, the backward's recompute and its input gradient) was ~16% of a training micro-batch's time, for values
+    thrown away. Each position's log-prob is computed alone (a row of a matmul against the head's tiles), so the
+    kept positions' values and gradients are those of TRL's path (tested). On Triton devices TRL already does this;
+    other devices are left as TRL has them."""
+    from trl.trainer import utils as trl_utils
+
+    original = getattr(trl_utils, "_use_triton", None)
+    if device.type != "cpu" or original is None:
+        yield
+        return
+    trl_utils._use_triton = lambda dev: dev.type == "cpu" or original(dev)
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = original
 
 
 def unwrap(model):
@@ -172,55 +196,63 @@ class LayoutScorer:
         return row
 
     # ------------------------------------------------------------------ scoring
-    def score(self, model, input_ids, attention_mask, width, batch_size=None, compute_entropy=False, training=True):
+    def score(self, model, input_ids, attention_mask, width, batch_size=None, compute_entropy=False, training=True,
+              scored=None):
         """``(log-probs (B, C), entropies (B, C) or None)`` of the completion columns of rows in TRL's layout
         (``input_ids``, ``attention_mask``: (B, P + C); ``width``: C), ``batch_size`` rows per forward; 0 where a
-        completion column is padding. ``training``: whether the policy is in training mode."""
+        completion column is padding. ``training``: whether the policy is in training mode. ``scored`` (B, C): the
+        completion columns whose values are wanted (the loss's tokens: observations are context), None for all; the
+        LM head projects only those, and the others are 0."""
         batch_size = batch_size or input_ids.size(0)
-        with lm_head_chunk(CPU_LOGPROB_CHUNK if input_ids.device.type == "cpu" else None):
-            return self._score(model, input_ids, attention_mask, width, batch_size, compute_entropy, training)
+        on_cpu = input_ids.device.type == "cpu"
+        with lm_head_chunk(CPU_LOGPROB_CHUNK if on_cpu else None), lm_head_on_labelled_positions(input_ids.device):
+            return self._score(model, input_ids, attention_mask, width, batch_size, compute_entropy, training, scored)
 
-    def _score(self, model, input_ids, attention_mask, width, batch_size, compute_entropy, training):
+    def _score(self, model, input_ids, attention_mask, width, batch_size, compute_entropy, training, scored):
         sharing = bool(self.args.share_prompt_prefix) and self.shared is not False and width > 0
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]  # (b, P+C)
             keys = prompt_keys(ids[:, :-width], mask[:, :-width]) if sharing else None
             rows = compact_rows(ids, mask, width)
+            wanted = None if scored is None else scored[start : start + batch_size].bool() & rows.valid  # (b, C)
             layout = self._choose(model, ids, mask, width, rows, keys, training)
             try:
-                lp, ent = self._forward(layout, model, ids, mask, width, rows, keys, compute_entropy)  # (b, C)
+                lp, ent = self._forward(layout, model, ids, mask, width, rows, keys, compute_entropy, wanted)  # (b, C)
             except SharedAttentionUnused:
                 self.shared = False
                 logger.warning("share_prompt_prefix: the model's attention does not run through transformers' "
                                "AttentionInterface (e.g. attn_implementation='eager'; use 'sdpa'); training without "
                                "prompt sharing.")
                 layout = self._choose(model, ids, mask, width, rows, None, training)
-                lp, ent = self._forward(layout, model, ids, mask, width, rows, None, compute_entropy)  # (b, C)
+                lp, ent = self._forward(layout, model, ids, mask, width, rows, None, compute_entropy, wanted)
             logps.append(lp.masked_fill(~rows.valid, 0.0))
             entropies.append(ent.masked_fill(~rows.valid, 0.0) if compute_entropy else None)
         return torch.cat(logps, dim=0), (torch.cat(entropies, dim=0) if compute_entropy else None)
 
-    def _forward(self, layout, model, input_ids, attention_mask, width, rows, keys, compute_entropy):
-        """(b, C) log-probs and entropies (or None) of the completion columns, forwarded in ``layout``."""
+    def _forward(self, layout, model, input_ids, attention_mask, width, rows, keys, compute_entropy, scored=None):
+        """(b, C) log-probs and entropies (or None) of the completion columns, forwarded in ``layout``; with
+        ``scored`` (b, C), those columns only (0 elsewhere)."""
         if layout in ("shared", "tree"):
             row = self._tree_row(input_ids, attention_mask, width, keys, self.min_shared if layout == "tree" else None)
-            return self._shared_forward(model, row, compute_entropy)
+            labels = row.labels if scored is None else scored_labels(row.labels, row.cols + 1, scored)  # (1, L)
+            return self._shared_forward(model, row, compute_entropy, labels)
+        labels = rows.labels if scored is None else scored_labels(rows.labels, rows.index, scored)  # (b, W)
         if layout == "packed":
             lengths = rows.mask.sum(1).tolist()
             capacity = sum(lengths) if varlen_attention(model) else rows.ids.size(1)  # flash kernels: one row
-            packed = pack_rows(rows.ids, rows.labels, lengths, first_fit_decreasing(lengths, capacity))
+            packed = pack_rows(rows.ids, labels, lengths, first_fit_decreasing(lengths, capacity))
             with self.accelerator.autocast():
                 out = model(input_ids=packed.ids, position_ids=packed.positions, labels=packed.labels,
                             fused_lm_head=True)
             read = lambda values: read_completion_columns(read_packed(values, packed), rows.index)  # noqa: E731
         else:
             with self.accelerator.autocast():
-                out = model(input_ids=rows.ids, attention_mask=rows.mask, labels=rows.labels, fused_lm_head=True)
+                out = model(input_ids=rows.ids, attention_mask=rows.mask, labels=labels, fused_lm_head=True)
             read = lambda values: read_completion_columns(values, rows.index)  # noqa: E731
         return read(out.log_probs), (read(out.entropy) if compute_entropy else None)
 
-    def _shared_forward(self, model, row, compute_entropy):
+    def _shared_forward(self, model, row, compute_entropy, labels=None):
         """A prefix-tree row (``trl_multiturn.layouts.PrefixTreeRow``) through the model, its attention run by
         ``trl_multiturn.shared_attention``; raises :class:`SharedAttentionUnused` when the model's layers did not call
         it. Rows that share a prefix read the same output columns: the gather adds their gradients up."""
@@ -232,8 +264,8 @@ class LayoutScorer:
         # ignores it and uses the plan
         no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=row.ids.device)
         with self.accelerator.autocast():
-            out = model(input_ids=row.ids, attention_mask=no_mask, position_ids=row.positions, labels=row.labels,
-                        fused_lm_head=True, shared_prompt_plan=plan)
+            out = model(input_ids=row.ids, attention_mask=no_mask, position_ids=row.positions,
+                        labels=row.labels if labels is None else labels, fused_lm_head=True, shared_prompt_plan=plan)
         if plan.calls == 0:
             raise SharedAttentionUnused
         return out.log_probs[0][row.cols], (out.entropy[0][row.cols] if compute_entropy else None)  # (b, C)

@@ -52,7 +52,7 @@ from .config import MultiTurnGRPOConfig
 from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_scored_rows, next_refill, refill_rows
 from .expert_loss import expert_loss_for
 from .generation import SamplingParams, TransformersGenerator, VLLMGenerator, merged_lora, sampling_params_from_config
-from .loss import grpo_loss, loss_normalizers, sampler_learner_gap
+from .loss import grpo_loss, loss_mask, loss_normalizers, sampler_learner_gap
 from .context import context_policy
 from .protocols import Protocol
 from .rollout import MultiTurnRollout, RolloutConfig
@@ -238,14 +238,14 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                                  device=excluded.device)
         if excluded.any():
             output["tool_mask"] = output["tool_mask"] * (~excluded).long().unsqueeze(1)  # (B_local, C)
-        loss_mask = output["completion_mask"] * output["tool_mask"]  # (B_local, C)
-        loss_tokens = int(acc.reduce(loss_mask.sum().to(acc.device), reduction="sum"))
+        trained = loss_mask(output)  # (B_local, C)
+        loss_tokens = int(acc.reduce(trained.sum().to(acc.device), reduction="sum"))
         if mode == "train":  # no loss token on any rank: the update is skipped (SkipEmptyUpdate)
             self._rollout_all_dropped = loss_tokens == 0
         if loss_tokens == 0 and not bool(result.dropped.all()):
             logger.warning("No trajectory of this rollout carries loss (dropped, or masked by mask_truncated_"
                            "completions, or without a sampled token): this step's optimizer update is skipped.")
-        metrics.rewrite_trained_advantages(self._logs["advantages"], output["advantages"], loss_mask, acc)
+        metrics.rewrite_trained_advantages(self._logs["advantages"], output["advantages"], trained, acc)
         metrics.log_advantages(self._metrics[mode], result.dropped, result.rewards, loss_tokens,
                                self.num_generations if mode == "train" and args.greedy_baseline else None)
 
@@ -335,14 +335,17 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 input_ids = torch.cat([chunk["prompt_ids"], chunk["completion_ids"]], dim=1)  # (b, P+C)
                 attention_mask = torch.cat([chunk["prompt_mask"], chunk["completion_mask"]], dim=1)  # (b, P+C)
                 chunk[key], _, _ = self._get_per_token_logps_and_entropies(
-                    model, input_ids, attention_mask, chunk["completion_ids"].size(1))  # (b, C)
+                    model, input_ids, attention_mask, chunk["completion_ids"].size(1), scored_mask=loss_mask(chunk))
 
     # ------------------------------------------------------------------ forward and loss
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+                                           compute_entropy=False, compute_aux_loss=False, scored_mask=None,
+                                           **multimodal):
         """Per-token log-probs (and entropies) of the completion columns, (B, C), from
         :class:`~trl_multiturn.scoring.LayoutScorer` (compact, packed or shared-prompt rows); TRL's own path for rows
         it does not take (``compact_padding`` off, holes in the mask, multimodal inputs, MoE aux losses).
+        ``scored_mask`` (B, C), ours: the loss's tokens; the scorer projects only those through the LM head (0 at
+        the others).
 
         Called by TRL for pi_old over the whole rollout while ``_defer_old_logps`` is set, it returns NaN instead
         (loud if ever trained on): :meth:`_score_old_logps` scores pi_old per micro-batch."""
@@ -354,7 +357,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
         logps, entropies = self._scorer.score(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                              compute_entropy, training=self.model.training)
+                                              compute_entropy, training=self.model.training, scored=scored_mask)
         return logps, entropies, None  # (B, C), (B, C) or None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -364,8 +367,9 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # (B, P+C)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)  # (B, P+C)
-        mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask  # (B, C)
-        logps, _, _ = self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, completion_ids.size(1))
+        mask = loss_mask(inputs)  # (B, C)
+        logps, _, _ = self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, completion_ids.size(1),
+                                                              scored_mask=mask)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old  # (B, C)
         global_norm = mode == "train" and "mb_num_sequences" in inputs  # normalizers summed over all ranks
