@@ -113,15 +113,36 @@ def _sync() -> None:
 
 class StepMeter(TrainerCallback):
     """Per optimizer step: ``perf_counter`` at ``on_step_begin`` / ``on_step_end``, the positions computed by the
-    model's forwards (with gradient: the training forwards; without: generation and scoring), the logged loss.
-    Also records the intervals of the trainer's rollout calls (see :meth:`wrap`)."""
+    model's forwards (with gradient: the training forwards; without: generation and scoring) and, of those, the
+    positions projected onto the vocabulary by the LM head (generation: ``logits_to_keep`` per row, or every
+    position; the fused log-prob head of both trainers: the rows TRL's ``_ChunkedLogProbFunction`` is given), the
+    logged loss. Also records the intervals of the trainer's rollout calls (see :meth:`wrap`)."""
 
     def __init__(self, model):
+        from trl.trainer import utils as trl_utils
+
         self.begin, self.end, self.logs = [], [], []
         self.score, self.rollout, self.work = [], [], []  # (start, end) of _generate_and_score / the rollout
         self.grad_positions, self.nograd_positions = [], []
-        self._grad = self._nograd = 0
+        self.grad_head_positions, self.nograd_head_positions = [], []
+        self._grad = self._nograd = self._head_grad = self._head_nograd = 0
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._trl_utils, self._head = trl_utils, trl_utils._ChunkedLogProbFunction
+        meter = self
+
+        class CountedHead:  # the fused head looks this name up at every call, on both sides
+            @staticmethod
+            def apply(hidden, *rest):
+                meter._count_head(hidden.size(0))
+                return meter._head.apply(hidden, *rest)
+
+        trl_utils._ChunkedLogProbFunction = CountedHead
+
+    def _count_head(self, rows: int) -> None:
+        if torch.is_grad_enabled():
+            self._head_grad += rows
+        else:
+            self._head_nograd += rows
 
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -131,17 +152,22 @@ class StepMeter(TrainerCallback):
             self._grad += ids.numel()
         else:
             self._nograd += ids.numel()
+        if not kwargs.get("fused_lm_head"):  # the model's own head: logits_to_keep positions per row, or all
+            keep = kwargs.get("logits_to_keep")
+            self._count_head(ids.size(0) * keep if isinstance(keep, int) and keep > 0 else ids.numel())
 
     def on_step_begin(self, args, state, control, **kwargs):
         _sync()
         self.begin.append(time.perf_counter())
-        self._grad = self._nograd = 0
+        self._grad = self._nograd = self._head_grad = self._head_nograd = 0
 
     def on_step_end(self, args, state, control, **kwargs):
         _sync()
         self.end.append(time.perf_counter())
         self.grad_positions.append(self._grad)
         self.nograd_positions.append(self._nograd)
+        self.grad_head_positions.append(self._head_grad)
+        self.nograd_head_positions.append(self._head_nograd)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -173,6 +199,7 @@ class StepMeter(TrainerCallback):
 
     def close(self) -> None:
         self.handle.remove()
+        self._trl_utils._ChunkedLogProbFunction = self._head
 
 
 def trl_work(result) -> list[dict]:
@@ -360,6 +387,8 @@ def summarize(meter: StepMeter, wall: float, peak: dict, args) -> dict:
         "train_forward_positions_per_step": statistics.median(meter.grad_positions[keep]),
         "nograd_forward_positions_per_step": statistics.median(meter.nograd_positions[keep]),
         "train_forward_positions": meter.grad_positions[keep], "nograd_forward_positions": meter.nograd_positions[keep],
+        "train_head_positions_per_step": statistics.median(meter.grad_head_positions[keep]),
+        "nograd_head_positions_per_step": statistics.median(meter.nograd_head_positions[keep]),
         "logs": meter.logs,
         "first_step_loss": meter.logs[0]["loss"] if meter.logs else None,
         "first_step_grad_norm": meter.logs[0]["grad_norm"] if meter.logs else None,
@@ -394,6 +423,29 @@ def compare_work(a: dict, b: dict) -> dict:
 GRAD_POSITION_UNITS = {"off": 2.0, "full": 3.0}
 
 
+#: LM-head units of one projected position: with gradient, TRL's fused head computes its tile, recomputes it in the
+#: backward and takes the input gradient (the head's weight is frozen under LoRA); without, the tile once.
+HEAD_UNITS = {"grad": 3.0, "nograd": 1.0}
+
+
+def macs_per_position(model) -> dict:
+    """Multiply-adds per position of ``model``'s forward: the LM head's (hidden x vocabulary) and the rest of its
+    linear layers' (the decoder body; the attention scores, which grow with the context, are left out)."""
+    head = model.get_output_embeddings()
+    body = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return {"head": head.weight.numel(), "body": body}
+
+
+def _head_aware_units(med: dict, grad_units: float, head_share: float) -> float:
+    """A step's forward-position units with the LM head counted where it projects: body share x positions, head
+    share x projected positions, each with its gradient multiplier."""
+    body = 1.0 - head_share
+    return (grad_units * body * med["train_forward_positions_per_step"]
+            + HEAD_UNITS["grad"] * head_share * med["train_head_positions_per_step"]
+            + body * med["nograd_forward_positions_per_step"]
+            + HEAD_UNITS["nograd"] * head_share * med["nograd_head_positions_per_step"])
+
+
 def step_work(result: dict) -> dict:
     """What bounds the step ratio on a device where the step is compute-bound (a CPU: the model's forwards are ~96%
     of a rollout, matmuls ~60% of a training micro-batch): each side's arithmetic per step in forward-position units
@@ -422,6 +474,21 @@ def step_work(result: dict) -> dict:
         out["work_ratio_with_free_rollout"] = trl / grad_only
         out["work_ratio_without_recompute"] = trl / (GRAD_POSITION_UNITS["off"] * med["train_forward_positions_per_step"]
                                                      + med["nograd_forward_positions_per_step"])
+    macs, meds = result.get("model_macs_per_position"), result["median"]
+    if trl and ours and macs and all("train_head_positions_per_step" in meds[s] for s in ("trl", "ours")):
+        # the LM head counted where it projects (runs that recorded it): on CPU TRL's fused head projects every
+        # position of its gradient pass, ours the loss's tokens only
+        share = macs["head"] / (macs["head"] + macs["body"])
+        units = {s: _head_aware_units(meds[s], GRAD_POSITION_UNITS[modes[s]], share) for s in ("trl", "ours")}
+        free = dict(meds["ours"], nograd_forward_positions_per_step=0, nograd_head_positions_per_step=0)
+        out["head_aware"] = {
+            "head_share_of_a_position": share, "units_per_step": units,
+            "work_ratio_trl_over_ours": units["trl"] / units["ours"],
+            "work_ratio_with_free_rollout": units["trl"] / _head_aware_units(free, GRAD_POSITION_UNITS[modes["ours"]],
+                                                                              share),
+            "work_ratio_without_recompute": units["trl"] / _head_aware_units(meds["ours"], GRAD_POSITION_UNITS["off"],
+                                                                              share),
+        }
     return out
 
 
@@ -442,6 +509,13 @@ def print_step_work(paths: list[str]) -> list[dict]:
               f"measured step ratio {fmt(w['step_ratio_trl_over_ours'])}; with ours's rollout free "
               f"{fmt(w.get('work_ratio_with_free_rollout'))}, without its recompute "
               f"{fmt(w.get('work_ratio_without_recompute'))}")
+        if "head_aware" in w:
+            h = w["head_aware"]
+            print(f"  with the LM head counted where it projects ({h['head_share_of_a_position']:.1%} of a position): "
+                  f"units TRL {h['units_per_step']['trl']:.0f}, ours {h['units_per_step']['ours']:.0f}: work ratio "
+                  f"{fmt(h['work_ratio_trl_over_ours'])}; with ours's rollout free "
+                  f"{fmt(h['work_ratio_with_free_rollout'])}, without its recompute "
+                  f"{fmt(h['work_ratio_without_recompute'])}")
     return rows
 
 
@@ -514,6 +588,7 @@ def main(argv=None) -> dict:
     command = " ".join(["python", "benchmarks/grpo_step.py", *(sys.argv[1:] if argv is None else argv)])
 
     base, tok = W.load_policy(args.model, args.dtype, args.device)
+    model_macs = macs_per_position(base)
     max_steps = args.warmup + args.steps
     # B distinct questions per step (fresh ones every step), each question's G members share its forced script
     wl, retriever = W.build_workload(tok, args.prompts * args.group_size * max_steps, args.turns, args.seed,
@@ -539,7 +614,8 @@ def main(argv=None) -> dict:
     sides = [s for s in SIDES if s in order]
     keys = ["median_step_s", "median_rollout_s", "median_rest_s", "median_cycle_s", "trajectories_per_step",
             "turns_per_step", "generated_tokens_per_step", "observation_tokens_per_step", "trained_tokens_per_step",
-            "train_forward_positions_per_step", "nograd_forward_positions_per_step", "train_wall_s"]
+            "train_forward_positions_per_step", "nograd_forward_positions_per_step", "train_head_positions_per_step",
+            "nograd_head_positions_per_step", "train_wall_s"]
     med = {s: {k: statistics.median(rd[s][k] for rd in rounds) for k in keys} for s in sides}
     for s in sides:
         for k in ("cuda_max_allocated_gib", "cpu_vmhwm_gib", "cpu_peak_above_start_gib"):
@@ -566,6 +642,8 @@ def main(argv=None) -> dict:
         ("trained tokens / step (prompt+compl.)", "trained_tokens_per_step", "{:.0f}"),
         ("gradient forward positions / step", "train_forward_positions_per_step", "{:.0f}"),
         ("no-grad forward positions / step", "nograd_forward_positions_per_step", "{:.0f}"),
+        ("LM-head positions / step, gradient", "train_head_positions_per_step", "{:.0f}"),
+        ("LM-head positions / step, no-grad", "nograd_head_positions_per_step", "{:.0f}"),
         ("peak CPU memory above start (GiB)", "cpu_peak_above_start_gib", "{:.2f}"),
         ("peak CPU memory, VmHWM (GiB)", "cpu_vmhwm_gib", "{:.2f}"),
         ("peak CUDA memory allocated (GiB)", "cuda_max_allocated_gib", "{:.2f}"),
@@ -621,6 +699,7 @@ def main(argv=None) -> dict:
         "config_differences_trl_ours": config_diff,
         "rollout_inside_step": {s: all(rd[s]["rollout_inside_step"] for rd in rounds) for s in sides},
         "rounds": [{s: {k: v for k, v in rd[s].items() if not k.startswith("_")} for s in rd} for rd in rounds],
+        "model_macs_per_position": model_macs,
     }
     if both:
         result["step_work"] = step_work(result)

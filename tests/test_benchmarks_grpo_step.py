@@ -67,6 +67,16 @@ def test_grpo_step_benchmark_smoke(tmp_path):
     for side in ("trl", "ours"):
         assert work["units_per_step"][side] == (3 * med[side]["train_forward_positions_per_step"]
                                                 + med[side]["nograd_forward_positions_per_step"])
+    # the LM head's projected positions: TRL's fused head projects every position of its gradient pass on CPU, ours
+    # the loss's tokens (the generated ones) only; both project one position per row and forward when generating
+    trl_forward = med["trl"]["train_forward_positions_per_step"]  # 2 micro-batches of 2 rows: (2, L - 1) each
+    assert trl_forward - 4 <= med["trl"]["train_head_positions_per_step"] <= trl_forward
+    assert med["ours"]["train_head_positions_per_step"] == ours["generated_tokens"]
+    for side in ("trl", "ours"):
+        assert 0 < med[side]["nograd_head_positions_per_step"] < med[side]["nograd_forward_positions_per_step"]
+    macs = saved["model_macs_per_position"]
+    assert macs["head"] > 0 and macs["body"] > 0
+    assert work["head_aware"]["work_ratio_trl_over_ours"] > 0
 
 
 def test_step_work_counts_forward_position_units_by_checkpointing(tmp_path, capsys):
@@ -93,3 +103,29 @@ def test_step_work_counts_forward_position_units_by_checkpointing(tmp_path, caps
     out = bench.main(["--work-of", str(path)])
     assert out["step_work"][0]["work_ratio_trl_over_ours"] == 500 / 300
     assert "work ratio 1.67x, measured step ratio 1.70x" in capsys.readouterr().out
+    assert "head_aware" not in work  # a result without the head's positions: the uniform count only
+
+
+def test_step_work_counts_the_lm_head_where_it_projects(tmp_path, capsys):
+    """Hand-computed, with the head a quarter of a position (body 3, head 1 multiply-adds): body share 0.75 x
+    positions x (3 with gradient under full checkpointing, 1 without) + head share 0.25 x projected positions x (3
+    with gradient: tile, recompute, input gradient; 1 without)."""
+    bench = _load_script()
+    med = {"trl": {"train_forward_positions_per_step": 100, "nograd_forward_positions_per_step": 200,
+                   "train_head_positions_per_step": 100, "nograd_head_positions_per_step": 40},
+           "ours": {"train_forward_positions_per_step": 80, "nograd_forward_positions_per_step": 60,
+                    "train_head_positions_per_step": 20, "nograd_head_positions_per_step": 40}}
+    result = {"settings": {"group_size": 8, "no_gradient_checkpointing": False, "checkpoint_policy": "full"},
+              "median": med, "step_ratio_trl_over_ours_median": 1.7, "model_macs_per_position": {"head": 1, "body": 3}}
+    h = bench.step_work(result)["head_aware"]
+    trl = 0.75 * 3 * 100 + 0.25 * 3 * 100 + 0.75 * 200 + 0.25 * 40  # 460
+    ours = 0.75 * 3 * 80 + 0.25 * 3 * 20 + 0.75 * 60 + 0.25 * 40  # 250
+    assert h["head_share_of_a_position"] == 0.25
+    assert h["units_per_step"] == pytest.approx({"trl": trl, "ours": ours})
+    assert h["work_ratio_trl_over_ours"] == pytest.approx(trl / ours)
+    assert h["work_ratio_with_free_rollout"] == pytest.approx(trl / (0.75 * 3 * 80 + 0.25 * 3 * 20))
+    assert h["work_ratio_without_recompute"] == pytest.approx(trl / (0.75 * 2 * 80 + 0.25 * 3 * 20 + 0.75 * 60 + 10))
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    bench.main(["--work-of", str(path)])
+    assert "with the LM head counted where it projects (25.0% of a position)" in capsys.readouterr().out
