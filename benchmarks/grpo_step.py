@@ -274,6 +274,16 @@ def build_ours(model, tok, dataset, env_class, args, out_dir):
                                    protocol=ChatToolProtocol(max_observation_tokens=None), peft_config=peft_config(args))
     if not args.share_past_prompts:
         trainer._scorer.tree = False  # the prompt only, as on real samples (see (8) above)
+    if args.score_every_position:  # ablation: the LM head projects every completion position, and on CPU every one
+        from trl_multiturn.scoring import CPU_LOGPROB_CHUNK, lm_head_chunk
+
+        scorer = trainer._scorer
+
+        def score_all(model, ids, mask, width, batch_size=None, compute_entropy=False, training=True, scored=None):
+            with lm_head_chunk(CPU_LOGPROB_CHUNK if ids.device.type == "cpu" else None):  # as score(), no compaction
+                return scorer._score(model, ids, mask, width, batch_size or ids.size(0), compute_entropy, training, None)
+
+        scorer.score = score_all
     return trainer
 
 
@@ -563,6 +573,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--share-past-prompts", action="store_true",
                         help="let ours's prefix tree also share what a group's members write alike past the prompt; "
                         "the forced members write identical text, real samples do not (default: the prompt only)")
+    parser.add_argument("--score-every-position", action="store_true",
+                        help="ablation: ours's LM head projects every position, as before it scored the loss's tokens "
+                        "only (TRL's fused head on CPU projects every position)")
     parser.add_argument("--steps", type=int, default=3, help="measured optimizer steps per side and round")
     parser.add_argument("--warmup", type=int, default=1, help="optimizer steps run first and discarded")
     parser.add_argument("--repeats", type=int, default=2, help="rounds; each builds fresh trainers")

@@ -129,3 +129,18 @@ def test_step_work_counts_the_lm_head_where_it_projects(tmp_path, capsys):
     path.write_text(json.dumps(result))
     bench.main(["--work-of", str(path)])
     assert "with the LM head counted where it projects (25.0% of a position)" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # one trainer, one step: ~10 s
+def test_the_score_every_position_ablation_projects_every_position(tmp_path):
+    """``--score-every-position`` (ours as before its LM head scored the loss's tokens only) projects every position
+    of its gradient pass, not only the generated tokens, and trains on the same work."""
+    bench = _load_script()
+    result = bench.main([
+        "--model", "random-tiny", "--group-size", "2", "--prompts", "2", "--turns", "2", "--sides", "ours",
+        "--max-completion-length", "512", "--max-think", "8", "--warmup", "0", "--steps", "1", "--repeats", "1",
+        "--threads", "1", "--score-every-position", "--out", str(tmp_path / "ablation.json"),
+    ])
+    med = result["median"]["ours"]
+    assert med["train_head_positions_per_step"] > med["generated_tokens_per_step"] + med["observation_tokens_per_step"]
+    assert result["settings"]["score_every_position"] is True
