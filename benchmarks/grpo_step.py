@@ -281,7 +281,8 @@ def build_ours(model, tok, dataset, env_class, args, out_dir):
 
         def score_all(model, ids, mask, width, batch_size=None, compute_entropy=False, training=True, scored=None):
             with lm_head_chunk(CPU_LOGPROB_CHUNK if ids.device.type == "cpu" else None):  # as score(), no compaction
-                return scorer._score(model, ids, mask, width, batch_size or ids.size(0), compute_entropy, training, None)
+                rows = batch_size or ids.size(0)
+                return scorer._score(model, ids, mask, width, rows, compute_entropy, training, None)
 
         scorer.score = score_all
     return trainer

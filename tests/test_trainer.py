@@ -326,6 +326,11 @@ def test_trl_private_seams_are_still_there():
         "self", "model", "input_ids", "attention_mask", "logits_to_keep"]
     assert "rollout_func" in inspect.signature(GRPOTrainer.__init__).parameters
     assert GRPOTrainer.loss_is_scaled_for_ga is True  # our compute_loss returns the accumulated-step share
+    # the fused LM head's seams the scorer sets (tile width, labelled positions only on CPU)
+    from trl.trainer import utils as trl_utils
+
+    assert isinstance(trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, int) and callable(trl_utils._use_triton)
+    assert "_use_triton(" in inspect.getsource(trl_utils.add_fused_lm_head)
 
 
 @pytest.mark.slow

@@ -79,15 +79,17 @@ def lm_head_chunk(size: int | None):
 
 @contextmanager
 def lm_head_on_labelled_positions(device: torch.device):
-    """Within the block, TRL's fused LM head projects only the positions whose next-token label is not -100 on CPU too.
+    """Within the block, TRL's fused LM head projects only the positions whose next-token label is not -100, on CPU
+    too.
 
     TRL projects every position on devices without Triton (a fixed tile shape spares compilers such as Neuron's a
     recompilation per batch) and zeroes the masked ones afterwards. Here the masked positions are the prompts and the
     observations, about three quarters of a multi-turn micro-batch: on CPU their projection onto the 49k vocabulary
-    (forward, the backward's recompute and its input gradient) was ~16% of a training micro-batch's time, for values
-    thrown away. Each position's log-prob is computed alone (a row of a matmul against the head's tiles), so the
-    kept positions' values and gradients are those of TRL's path (tested). On Triton devices TRL already does this;
-    other devices are left as TRL has them."""
+    (forward, the backward's recompute and its input gradient) made a SmolLM2 step's training part 1.18x longer and
+    its peak memory above the start of training 4x higher (docs/benchmarks.md, G = 8), for values thrown away. Each
+    position's log-prob is computed alone (a row of a matmul against the head's tiles), so the kept positions' values
+    and gradients are those of TRL's path (tested). On Triton devices TRL already does this; other devices are left
+    as TRL has them."""
     from trl.trainer import utils as trl_utils
 
     original = getattr(trl_utils, "_use_triton", None)
