@@ -33,21 +33,11 @@ def measure(policy: str, args) -> dict:
     """One process: load, enable ``policy``, ``args.steps`` timed forward+backward passes after one warm-up."""
     from types import SimpleNamespace
 
-    from peft import LoraConfig, get_peft_model
-    from trl.trainer.utils import add_fused_lm_head
-
     from trl_multiturn.activation_checkpointing import checkpointing_suspended
     from trl_multiturn.scoring import CPU_LOGPROB_CHUNK, lm_head_chunk
 
     torch.set_num_threads(args.threads)
-    base, _ = W.load_policy(args.model, "fp32", "cpu")
-    add_fused_lm_head(base)
-    torch.manual_seed(0)
-    model = get_peft_model(base, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                            target_modules="all-linear", task_type="CAUSAL_LM")).train()
-    for p in model.parameters():  # a non-zero B, so the adapter's gradients are not trivially related
-        if p.requires_grad:
-            torch.nn.init.normal_(p, std=0.02)
+    model = W.lora_policy_with_fused_head(args.model, args.lora_r, seed=0)
     if policy != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

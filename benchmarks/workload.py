@@ -65,6 +65,24 @@ def result_record(benchmark: str, args, argv, **fields) -> dict:
     }
 
 
+def lora_policy_with_fused_head(model: str, lora_r: int, seed: int):
+    """The trainer's training forward for the micro-batch benchmarks: ``model`` in fp32 on CPU with TRL's fused LM
+    head, LoRA r ``lora_r`` (alpha 2r, no dropout) on every linear layer, in training mode, the adapter's weights
+    drawn N(0, 0.02) after ``torch.manual_seed(seed)`` (a non-zero B, so its gradients are not trivially related)."""
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    base, _ = load_policy(model, "fp32", "cpu")
+    add_fused_lm_head(base)
+    torch.manual_seed(seed)
+    policy = get_peft_model(base, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0,
+                                             target_modules="all-linear", task_type="CAUSAL_LM")).train()
+    for p in policy.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.02)
+    return policy
+
+
 def write_result(result: dict, out: str) -> Path:
     """Write a benchmark's result as JSON to ``out`` (folders created) and say where."""
     path = Path(out)
