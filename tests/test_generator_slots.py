@@ -250,3 +250,31 @@ def test_rows_left_the_batch_then_a_new_batch_starts(smollm2_tokenizer, tiny):
     second = gen.generate([[600, 601, 602, 603]], 4, GREEDY)
     alone = TransformersGenerator(tiny, tok).generate([[600, 601, 602, 603]], 4, GREEDY)
     assert second[0].ids == alone[0].ids and len(first[1].ids) <= 5
+
+
+def test_a_rebuild_sizes_its_slots_to_the_rows_in_flight(smollm2_tokenizer, tiny):
+    """Once most trajectories have finished, a rebuild allocates slots for the rows still in flight (running,
+    joining, queued, or parked between turns with their K/V), not for the largest batch seen: the evaluation of the
+    offline default rebuilt 32 slots x 976 columns (1.37 GB) for one running row."""
+    tok = smollm2_tokenizer
+    gen = TransformersGenerator(tiny, tok)
+    budgets = [2] * 6 + [30, 30]
+    contexts, sessions = _submit_rows(gen, tok, budgets, seed=4)
+    done = {}
+    while len(done) < 6:
+        done.update(gen.step())
+    assert gen._batch.kv.slots == 8 and len(gen._batch.rows) == 2
+    for i in range(5):  # five trajectories ended (the rollout drops their sessions); trajectory 5 waits for its
+        sessions[i].drop()  # observation, its K/V parked in its session
+    long_context = rand_ids(random.Random(8), 400, 401)
+    assert len(long_context) > gen._batch.kv.end  # the joiner does not fit: the buffers are rebuilt
+    gen.submit("long", long_context, 6, GREEDY)
+    gen.step()
+    assert gen.stats["kv_rebuilds"] == 1
+    assert gen._batch.kv.slots == 4  # 2 running + 1 joining + 1 parked
+    sessions[5].drop()
+    while gen.has_work:
+        done.update(gen.step())
+    for key, ctx, budget in [(6, contexts[6], 30), (7, contexts[7], 30), ("long", long_context, 6)]:
+        alone = TransformersGenerator(tiny, tok, kv_reuse=False).generate([ctx], budget, GREEDY)[0]
+        assert done[key].ids == alone.ids, key

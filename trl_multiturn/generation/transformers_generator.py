@@ -10,6 +10,7 @@ import functools
 import itertools
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -163,6 +164,7 @@ class TransformersGenerator:
         self._queue: list[_Request] = []
         self._ready: list[_Request] = []
         self._batch: _Batch | None = None
+        self._parked: weakref.WeakSet[GenerationSession] = weakref.WeakSet()  # left with their K/V, may rejoin
         self._params: SamplingParams | None = None
         self._stop: _StopChecker | None = None
         self.stats: dict[str, float] = {}
@@ -448,6 +450,17 @@ class TransformersGenerator:
         base = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
         return base.config.get_text_config(decoder=True).num_hidden_layers
 
+    def _slots_for(self, rows: list[_Request]) -> int:
+        """Slots of rebuilt buffers: ``rows`` (live and joining) plus the rows that may join while they run, the queued
+        requests and the rows parked between turns (they left with their K/V kept and their session still holds
+        them), at most ``max_batch_size``. Sized to what is in flight rather than to the largest batch seen: slots
+        cost memory for every column, and once most trajectories have finished a rebuild for the few still running
+        would otherwise allocate the whole batch's cache again."""
+        here = {id(r.session) for r in [*rows, *self._queue]}
+        parked = sum(1 for s in self._parked if s.kv is not None and id(s) not in here)
+        want = len(rows) + len(self._queue) + parked
+        return want if self.max_batch_size is None else max(len(rows), min(want, self.max_batch_size))
+
     @staticmethod
     def _extra_columns(rows: list[_Request]) -> int:
         """Columns to leave right of the K/V for the tokens the rows may still sample (capped; the buffers grow)."""
@@ -489,7 +502,7 @@ class TransformersGenerator:
         kv, n = batch.kv, len(batch.rows)
         if not kv.fits(n + len(requests), p + q):
             extra = self._extra_columns(batch.rows + requests)
-            kv.rebuild(n, max(n + len(requests), kv.slots), p + q, extra)
+            kv.rebuild(n, self._slots_for(batch.rows + requests), p + q, extra)
             self.stats["kv_rebuilds"] += 1
             self.stats["kv_copied_tokens"] += sum(r.length for r in batch.rows)
         layers = kv.layers(n, n + len(requests), start=kv.end - p - q, end=kv.end - q)
@@ -511,6 +524,7 @@ class TransformersGenerator:
             if row.keep_cache:
                 row.session.kv = batch.kv.take(a, row.length)
                 row.session.cached_ids = row.context + row.output.ids[:-1]
+                self._parked.add(row.session)
                 self.stats["kv_copied_tokens"] += row.length
             else:
                 row.session.drop()
@@ -561,7 +575,7 @@ class TransformersGenerator:
     def _rebuild(self, batch: _Batch) -> None:
         """New buffers for ``batch`` with room on both sides (its last column is used)."""
         n = len(batch.rows)
-        batch.kv.rebuild(n, batch.kv.slots, batch.kv.end - batch.kv.start, self._extra_columns(batch.rows))
+        batch.kv.rebuild(n, self._slots_for(batch.rows), batch.kv.end - batch.kv.start, self._extra_columns(batch.rows))
         self.stats["kv_rebuilds"] += 1
         self.stats["kv_copied_tokens"] += sum(r.length for r in batch.rows)
 
