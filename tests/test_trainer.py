@@ -63,7 +63,12 @@ def dataset(n=8):
     return Dataset.from_dict({"q": [f"question {i}" for i in range(n)]})
 
 
-def test_one_minibatch_per_rollout_pg_loss_zero_and_model_learns(tmp_path, smollm2_tokenizer, tiny_model_factory):
+def test_one_minibatch_per_rollout_pg_loss_zero_and_model_learns(tmp_path, smollm2_tokenizer, tiny_model_factory,
+                                                                 monkeypatch):
+    import trl_multiturn.trainer as trainer_module
+
+    released = []  # the rollout's freed K/V go back to the OS before the training pass (host_memory)
+    monkeypatch.setattr(trainer_module, "release_freed_memory", lambda collect=True: released.append(collect))
     model = tiny_model_factory()
     before = copy.deepcopy(model.state_dict())
     trainer = MultiTurnGRPOTrainer(
@@ -76,6 +81,7 @@ def test_one_minibatch_per_rollout_pg_loss_zero_and_model_learns(tmp_path, smoll
     pg = logged(trainer, "loss/pg_loss")
     assert len(pg) == 2 and all(abs(x) < 1e-6 for x in pg), pg
     assert logged(trainer, "loss/ratio_mean") == pytest.approx([1.0, 1.0], abs=1e-6)
+    assert released == [False, False]  # after each of the two rollouts, without a garbage collection
     # ... while the gradient is not zero and the parameters move
     assert all(g > 0 for g in logged(trainer, "grad_norm"))
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]

@@ -79,6 +79,7 @@ from typing import Any
 
 from .environment import Action, Step
 from .generation import GenerationOutput, SamplingParams
+from .host_memory import release_freed_memory
 from .protocols import Protocol, TagProtocol
 from .rollout import TURN_LAYOUTS, MultiTurnRollout, RolloutConfig
 from .trajectory import Trajectory
@@ -712,4 +713,5 @@ def train_sft(
         **trainer_kwargs,
     )
     trainer.train()
+    release_freed_memory()  # the activations the training freed: the next stage's peak does not start at this one's
     return trainer

@@ -53,6 +53,7 @@ from .dynamic_sampling import DROP_REASONS, Selection, group_signal, merge_score
 from .expert_loss import expert_loss_for
 from .generation import SamplingParams, TransformersGenerator, VLLMGenerator, merged_lora, sampling_params_from_config
 from .loss import grpo_loss, loss_mask, loss_normalizers, sampler_learner_gap
+from .host_memory import release_freed_memory
 from .context import context_policy
 from .protocols import Protocol
 from .rollout import MultiTurnRollout, RolloutConfig
@@ -183,6 +184,7 @@ class MultiTurnGRPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
         trajs = self._run_rollout(inputs)
+        release_freed_memory(collect=False)  # the rollout's K/V cache, before the training pass allocates
         inputs = [dict(x) for x in inputs]
         for x, t in zip(inputs, trajs):
             if "prompt" not in x:

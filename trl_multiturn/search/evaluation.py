@@ -33,6 +33,7 @@ import torch
 from ..generation import SamplingParams, TransformersGenerator
 from ..generation.merged_lora import merged_lora
 from ..hub import framework_versions
+from ..host_memory import release_freed_memory
 from ..protocols import TagProtocol
 from ..rollout import MultiTurnRollout, RolloutConfig
 from .environment import query_key
@@ -340,6 +341,7 @@ def evaluate_search_agent(
         rollout.close()
         if was_training:
             model.train()
+        release_freed_memory()  # the batch's K/V cache: the next stage's peak does not start at this one's
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
