@@ -255,7 +255,7 @@ def test_rows_left_the_batch_then_a_new_batch_starts(smollm2_tokenizer, tiny):
 def test_a_rebuild_sizes_its_slots_to_the_rows_in_flight(smollm2_tokenizer, tiny):
     """Once most trajectories have finished, a rebuild allocates slots for the rows still in flight (running,
     joining, queued, or parked between turns with their K/V), not for the largest batch seen: the evaluation of the
-    offline default rebuilt 32 slots x 976 columns (1.37 GB) for one running row."""
+    offline default rebuilt 32 slots x 976 columns (1,372 MiB) for one running row."""
     tok = smollm2_tokenizer
     gen = TransformersGenerator(tiny, tok)
     budgets = [2] * 6 + [30, 30]

@@ -3,8 +3,9 @@
 glibc's allocator keeps memory that a process freed for its next allocations, and on CPU torch's tensors below its
 mmap threshold (up to 32 MiB once the threshold has adapted) come from that heap. A stage that held a lot at once
 (the warm start's activations, an evaluation's K/V cache) therefore leaves the process's resident set where its peak
-was, and the next stage's own peak lands on top of that floor: in the offline default the GRPO stage started 2.63 GiB
-high after the warm start, of which 1.57 GiB were freed but kept (``benchmarks/offline_default_memory.py``).
+was, and the next stage's own peak lands on top of that floor: in the offline default the process stayed at 2,636 MiB
+after the warm start, of which about 1,570 MiB were freed but kept
+(``benchmarks/results/offline_default_memory_probes.json``).
 :func:`release_freed_memory` runs ``malloc_trim(0)``, which returns the free pages of every heap; the functions that
 end such a stage call it (:func:`~trl_multiturn.sft.train_sft`,
 :func:`~trl_multiturn.search.evaluation.evaluate_search_agent`, and the GRPO trainer after each rollout, whose
