@@ -86,10 +86,9 @@ def lm_head_on_labelled_positions(device: torch.device):
     recompilation per batch) and zeroes the masked ones afterwards. Here the masked positions are the prompts and the
     observations, about three quarters of a multi-turn micro-batch: on CPU their projection onto the 49k vocabulary
     (forward, the backward's recompute and its input gradient) made a SmolLM2 training micro-batch 1.15x slower
-    (benchmarks/lm_head_positions.py), for values thrown away. Each
-    position's log-prob is computed alone (a row of a matmul against the head's tiles), so the kept positions' values
-    and gradients are those of TRL's path (tested). On Triton devices TRL already does this; other devices are left
-    as TRL has them."""
+    (benchmarks/lm_head_positions.py), for values thrown away. Each position's log-prob is computed alone (a row of a
+    matmul against the head's tiles), so the kept positions' values and gradients are those of TRL's path (tested).
+    On Triton devices TRL already does this; other devices are left as TRL has them."""
     from trl.trainer import utils as trl_utils
 
     original = getattr(trl_utils, "_use_triton", None)
