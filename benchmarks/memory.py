@@ -157,12 +157,13 @@ def estimate_table(seq_len: int, lora_r: int, num_generations: int) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    """``field`` (VmRSS, VmHWM) of ``/proc/<pid>/status`` in KiB."""
+    with open(f"/proc/{pid}/status") as handle:
         for line in handle:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"{field} missing from /proc/self/status (measuring needs Linux)")
+    raise RuntimeError(f"{field} missing from /proc/{pid}/status (measuring needs Linux; an exited process has none)")
 
 
 def _reset_peak() -> None:

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import memory as M  # noqa: E402  (no torch: the poller stays light)
 GiB = 1024**3
 _TAG = re.compile(r"^\[(\w+)\]")
 
@@ -43,14 +45,11 @@ def parse_args(argv=None):
 
 
 def _status_kib(pid: int, field: str) -> int:
-    """``field`` (VmRSS, VmHWM) of ``/proc/<pid>/status`` in KiB, 0 when the process is gone."""
+    """``field`` of process ``pid`` in KiB (benchmarks/memory.py reads it), 0 when the process is gone or exiting."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return 0
+        return M._status_kib(field, pid)
+    except (OSError, RuntimeError):
+        return 0
 
 
 def _tree(pid: int) -> list[int]:
@@ -126,8 +125,7 @@ def main(argv=None):
               **run(command, args.interval)}
     print(json.dumps({k: v for k, v in result.items() if k != "tail"}, indent=1))
     if args.out:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from workload import write_result
+        from workload import write_result  # imports torch
 
         write_result(result, args.out)
     return result

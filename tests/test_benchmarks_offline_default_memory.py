@@ -4,6 +4,8 @@ its output last opened, and reports the kernel's high-water mark, the exit statu
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +20,14 @@ def test_stage_of_follows_the_recipes_tags():
     assert bench.stage_of("[sft] 64/64 expert trajectories kept (100%); training", "base eval") == "sft"
     assert bench.stage_of("  eval 32/32 questions, exact match so far 0.625", "sft eval") == "sft eval"
     assert bench.stage_of("{'loss': 0.1}", "grpo") == "grpo"
+
+
+def test_a_process_that_is_gone_counts_zero():
+    bench = load_script(SCRIPT, "offline_default_memory_benchmark")
+    assert bench._status_kib(os.getpid(), "VmRSS") > 0
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert bench._status_kib(child.pid, "VmRSS") == 0
 
 
 def test_the_poller_splits_memory_by_stage(tmp_path):
